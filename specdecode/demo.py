@@ -1,0 +1,58 @@
+"""`specdecode demo`: normal and speculative decoding side by side, with the temperature-0 check visible."""
+
+import sys
+
+from specdecode.drafters import Drafter, build_drafter
+from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.models.target import Target
+from specdecode.sampling import SamplingParams
+
+DEMO_PROMPTS = (
+    "Repeat this Python function exactly, but rename it to `total_price`:\n\n"
+    "def compute_total(items, tax_rate):\n"
+    "    subtotal = sum(item.price * item.quantity for item in items)\n"
+    "    tax = subtotal * tax_rate\n"
+    "    return round(subtotal + tax, 2)\n",
+    "Explain in a few sentences what a hash table is and why lookups are fast.",
+    "A shop sells pencils at 3 dollars each. Tom buys 7 pencils and pays with a 50 dollar bill. "
+    "How much change does he get? Think step by step.",
+)
+
+
+def best_available_drafter(target: Target) -> str:
+    """The strongest drafter that needs nothing beyond the target: prompt lookup."""
+    return "ngram"
+
+
+def run_demo(target: Target, drafter_spec: str | None, max_new_tokens: int) -> None:
+    drafter_spec = drafter_spec or best_available_drafter(target)
+    normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
+    speculative = SpeculativeDecoder(target, build_drafter(drafter_spec, target), draft_length=8)
+    params = SamplingParams(temperature=0.0)
+    rows = []
+    print(f"target {target.name} on {target.device}, drafter {drafter_spec}, temperature 0\n")
+    for n, prompt in enumerate(DEMO_PROMPTS, 1):
+        ids = target.encode(prompt)
+        print(f"=== prompt {n}: {prompt.splitlines()[0][:90]}")
+        base = normal.generate(ids, params, max_new_tokens=max_new_tokens)[0]
+        print(f"--- speculative ({drafter_spec}), streamed as tokens are accepted:")
+        spec = speculative.generate(
+            ids, params, max_new_tokens=max_new_tokens, on_text=lambda _i, t: print(t, end="", flush=True)
+        )[0]
+        same = spec.token_ids == base.token_ids
+        print(
+            f"\n--- normal {base.stats.tokens_per_s:.1f} tok/s | speculative {spec.stats.tokens_per_s:.1f} tok/s"
+            f" | mean accepted length {spec.stats.mean_accepted_length:.2f}"
+            f" | identical to normal decoding: {'yes' if same else 'NO'}\n"
+        )
+        rows.append((n, base.stats, spec.stats, same))
+    print("| prompt | normal tok/s | speculative tok/s | speedup | mean accepted length | identical |")
+    print("|---|---|---|---|---|---|")
+    for n, b, s, same in rows:
+        speedup = s.tokens_per_s / b.tokens_per_s if b.tokens_per_s else float("nan")
+        print(
+            f"| {n} | {b.tokens_per_s:.1f} | {s.tokens_per_s:.1f} | {speedup:.2f}x | "
+            f"{s.mean_accepted_length:.2f} | {'yes' if same else 'NO'} |"
+        )
+    if not all(r[3] for r in rows):
+        print("WARNING: a speculative output differed from normal greedy decoding", file=sys.stderr)

@@ -1,0 +1,24 @@
+"""Drafters: `none` (normal decoding), `ngram`, `draft-model`, and trained drafters loaded from a folder."""
+
+from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
+from specdecode.errors import SpecDecodeError
+from specdecode.models.target import Target
+
+BUILTIN_DRAFTERS = ("none", "ngram", "draft-model")
+
+__all__ = ["BUILTIN_DRAFTERS", "Drafter", "Proposal", "TargetFeatures", "build_drafter"]
+
+
+def build_drafter(spec: str, target: Target, draft_model: str | None = None) -> Drafter:
+    """Make the drafter named by `spec` for `target`."""
+    if spec == "none":
+        return Drafter()
+    if spec == "ngram":
+        from specdecode.drafters.ngram import NgramDrafter
+
+        return NgramDrafter()
+    if spec == "draft-model":
+        from specdecode.drafters.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter(target, draft_model)
+    raise SpecDecodeError(f"unknown drafter '{spec}'; choose one of {', '.join(BUILTIN_DRAFTERS)}")

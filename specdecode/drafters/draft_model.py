@@ -1,0 +1,71 @@
+"""An independent small causal LM that shares the target's tokenizer, sampling with full q.
+
+The classic speculative-decoding drafter (Leviathan et al.; Chen et al.). No smaller model with
+SmolLM2's tokenizer exists offline, so by default the drafter is a layer-truncated copy of the target
+(its first `layers` decoder layers, final norm and LM head): a real, separately run LM, not a trained
+head. Any HF folder or registry name with the same vocabulary can be used instead.
+"""
+
+import copy
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
+from specdecode.errors import SpecDecodeError
+from specdecode.models import registry
+from specdecode.models.target import Target
+from specdecode.sampling import SamplingParams, probabilities, sample
+
+DEFAULT_TRUNCATED_LAYERS = 4
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft-model"
+
+    def __init__(self, target: Target, model_name: str | None = None, layers: int = DEFAULT_TRUNCATED_LAYERS):
+        if model_name is None:  # share the target's own tensors: no second copy in memory
+            config = copy.deepcopy(target.config)
+            config.num_hidden_layers = layers
+            model = AutoModelForCausalLM.from_config(config, dtype=target.model.dtype)
+            model.load_state_dict(target.model.state_dict(), strict=False, assign=True)
+            model.tie_weights()
+        else:
+            source = registry.resolve(model_name)
+            config = AutoConfig.from_pretrained(source)
+            if config.vocab_size != target.vocab_size:
+                raise SpecDecodeError(
+                    f"draft model {model_name} has a vocabulary of {config.vocab_size} tokens but the target "
+                    f"{target.name} has {target.vocab_size}: a draft model must share the target's tokenizer"
+                )
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=target.model.dtype)
+        self.model = model.to(target.device).eval()
+        self.description = f"{model_name}" if model_name else f"first {layers} layers of {target.name}"
+        self.device = target.device
+
+    def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:
+        self.params = params
+        self.generator = generator
+        self.cache = DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def propose(self, ids: list[int], max_tokens: int) -> Proposal:
+        if max_tokens <= 0:
+            return Proposal(tokens=torch.empty(0, dtype=torch.long))
+        pending = ids[self.cache.get_seq_length() :]  # committed tokens the draft has not seen yet
+        tokens, dists = [], []
+        for _ in range(max_tokens):
+            x = torch.tensor([pending], device=self.device)
+            logits = self.model(input_ids=x, cache=self.cache, use_cache=True).logits[0, -1]
+            q = probabilities(logits, self.params)
+            token = int(q.argmax()) if self.params.greedy else sample(q, self.generator)
+            tokens.append(token)
+            dists.append(q)
+            pending = [token]
+        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), probs=torch.stack(dists))
+
+    def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
+        # cache = committed-before-round + drafts 1..k-1; drafts past the first rejection are stale
+        excess = self.cache.get_seq_length() - (len(ids) - 1)
+        if excess > 0:
+            self.cache.crop(-excess)

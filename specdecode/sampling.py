@@ -1,0 +1,57 @@
+"""Sampling settings -> the target distribution p.
+
+Normal decoding and verification both call `probabilities`, so temperature, top-k and top-p shape p in
+exactly one way: that is what makes speculative output follow normal sampling with the same settings.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SpecDecodeError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SpecDecodeError(f"top_k must be >= 0 (0 switches it off), got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise SpecDecodeError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Softmax of `logits` (..., V) after temperature, top-k and top-p; one-hot argmax when greedy."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass (keeps the top one)
+        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, -math.inf)
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """Draw one token id from a 1-D distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator))

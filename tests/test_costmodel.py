@@ -1,0 +1,278 @@
+"""The cost model must reproduce the chapter's numbers and count real models' parameters exactly."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from specdecode.costmodel import (
+    DTYPE_BYTES,
+    HARDWARE_PRESETS,
+    MODEL_PRESETS,
+    Hardware,
+    ModelShape,
+    best_draft_length,
+    cost_report,
+    expected_accepted_length,
+    expected_speedup,
+    format_cost_table,
+    gate_matrix_bytes,
+    get_hardware,
+    pass_cost,
+    probe_cpu_hardware,
+)
+from specdecode.errors import SpecDecodeError
+
+LLAMA = MODEL_PRESETS["llama-3-8b"]
+H100 = HARDWARE_PRESETS["h100-sxm"]
+
+LLAMA_3_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+# ---- the chapter's numbers --------------------------------------------------------------------------
+
+
+def test_llama_8b_read_time_is_4_8_ms():
+    cost = pass_cost(LLAMA, H100, "bf16", 1)
+    assert cost.read_ms == pytest.approx(4.8, rel=0.03)
+    assert cost.bound == "memory"
+
+
+def test_llama_8b_math_per_position_is_0_016_ms():
+    cost = pass_cost(LLAMA, H100, "bf16", 8)
+    assert cost.math_ms / 8 == pytest.approx(0.016, rel=0.05)
+
+
+def test_five_positions_cost_the_same_as_one():
+    assert pass_cost(LLAMA, H100, "bf16", 5).pass_ms == pass_cost(LLAMA, H100, "bf16", 1).pass_ms
+
+
+def test_gate_matrix_is_117_mb():
+    assert gate_matrix_bytes(LLAMA, "bf16") == 4096 * 14336 * 2
+    assert round(gate_matrix_bytes(LLAMA, "bf16") / 1e6) == 117
+
+
+def test_llama_8b_weights_are_16_06_gb():
+    assert LLAMA.total_params == pytest.approx(8.03e9, rel=0.005)
+    assert LLAMA.weight_bytes("bf16") / 1e9 == pytest.approx(16.06, abs=0.01)
+
+
+def test_many_positions_are_compute_bound():
+    one = pass_cost(LLAMA, H100, "bf16", 1)
+    many = pass_cost(LLAMA, H100, "bf16", 4096)
+    assert many.bound == "compute"
+    assert many.read_ms == one.read_ms  # weights are read once whatever the number of positions
+    assert many.pass_ms > many.read_ms
+    assert many.pass_ms == pytest.approx(many.math_ms)
+
+
+def test_pass_is_at_least_each_total_and_at_most_their_sum():
+    for positions in (1, 64, 256, 300, 512, 4096):
+        cost = pass_cost(LLAMA, H100, "bf16", positions, context_len=2048)
+        assert max(cost.read_ms, cost.math_ms) <= cost.pass_ms <= cost.read_ms + cost.math_ms + 1e-12
+
+
+def test_context_adds_attention_math_and_optional_kv_read():
+    bare = pass_cost(LLAMA, H100, "bf16", 4)
+    ctx = pass_cost(LLAMA, H100, "bf16", 4, context_len=8192)
+    kv = pass_cost(LLAMA, H100, "bf16", 4, context_len=8192, include_kv_read=True)
+    attn_flops = 32 * 4 * 8192 * (32 * 128) * 4
+    assert ctx.math_ms - bare.math_ms == pytest.approx(attn_flops / 989e12 * 1e3)
+    assert ctx.read_ms == bare.read_ms
+    kv_bytes = 32 * 2 * 8192 * 8 * 128 * 2
+    assert kv.read_ms - bare.read_ms == pytest.approx(kv_bytes / 3.35e12 * 1e3)
+
+
+# ---- parameter counts --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("smollm2-135m", 134_515_008),
+        ("llama-3-8b", 8_030_261_248),
+        ("llama-3-70b", 70_553_706_496),
+        ("qwen3-8b", 8_190_735_360),
+        ("qwen3-4b", 4_022_468_096),
+        # The HF checkpoint ties its embeddings (494,032,768); the shipped GGUF stores a separate output.
+        ("qwen2.5-coder-0.5b", 494_032_768 + 151936 * 896),
+    ],
+)
+def test_parameter_counts_match_the_real_models(name, params):
+    assert MODEL_PRESETS[name].total_params == params
+
+
+def test_smollm2_count_by_hand():
+    shape = MODEL_PRESETS["smollm2-135m"]
+    attention = 576 * 576 * 2 + 576 * 192 * 2
+    mlp = 3 * 576 * 1536
+    norms = 2 * 576
+    assert shape.layer_params == attention + mlp + norms
+    assert shape.total_params == 49152 * 576 + 30 * (attention + mlp + norms) + 576
+
+
+def test_tied_embeddings_are_read_once():
+    untied = dataclasses.replace(LLAMA, tie_word_embeddings=True)
+    assert LLAMA.total_params - untied.total_params == 128256 * 4096
+
+
+# ---- HF configs --------------------------------------------------------------------------------------
+
+
+def test_from_hf_config_dict_equals_preset():
+    assert ModelShape.from_hf_config(LLAMA_3_8B_CONFIG, name="llama-3-8b") == LLAMA
+
+
+def test_from_hf_config_qwen_variants_equal_presets():
+    qwen3 = {
+        "model_type": "qwen3",
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+    }
+    assert ModelShape.from_hf_config(qwen3, name="qwen3-4b") == MODEL_PRESETS["qwen3-4b"]
+    qwen2 = {
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    }
+    assert ModelShape.from_hf_config(qwen2, name="qwen2.5-coder-0.5b") == MODEL_PRESETS["qwen2.5-coder-0.5b"]
+
+
+def test_from_hf_config_defaults_and_files(tmp_path):
+    dropped = ("num_key_value_heads", "tie_word_embeddings")
+    cfg = {k: v for k, v in LLAMA_3_8B_CONFIG.items() if k not in dropped}
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    from_folder = ModelShape.from_hf_config(folder)
+    assert from_folder == ModelShape.from_hf_config(folder / "config.json")
+    assert from_folder.name == "my-model"
+    assert from_folder.num_kv_heads == 32
+    assert from_folder.head_dim == 128
+    assert from_folder.tie_word_embeddings is False
+
+
+def test_from_hf_config_errors(tmp_path):
+    with pytest.raises(SpecDecodeError):
+        ModelShape.from_hf_config(tmp_path)  # no config.json
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SpecDecodeError):
+        ModelShape.from_hf_config(tmp_path)
+    with pytest.raises(SpecDecodeError, match="hidden_size"):
+        ModelShape.from_hf_config({"model_type": "llama"})
+
+
+# ---- hardware and dtypes -----------------------------------------------------------------------------
+
+
+def test_unknown_hardware_lists_the_valid_names():
+    with pytest.raises(SpecDecodeError) as err:
+        get_hardware("tpu-v9", "bf16")
+    for name in (*HARDWARE_PRESETS, "cpu"):
+        assert name in str(err.value)
+
+
+def test_unknown_or_unsupported_dtype():
+    with pytest.raises(SpecDecodeError, match="dtype"):
+        pass_cost(LLAMA, H100, "int3", 1)
+    with pytest.raises(SpecDecodeError, match="fp8"):
+        get_hardware("a100", "fp8")  # Ampere has no fp8 tensor cores
+    with pytest.raises(SpecDecodeError):
+        pass_cost(LLAMA, HARDWARE_PRESETS["a100"], "fp8", 1)
+    assert set(DTYPE_BYTES) == {"fp32", "bf16", "fp16", "fp8"}
+
+
+def test_presets_are_returned_by_name():
+    assert get_hardware("H100-SXM", "bf16") is H100
+    assert get_hardware("b200", "fp8").peak_flops["fp8"] == 4500e12
+
+
+def test_cpu_probe_returns_positive_finite_numbers():
+    hw = probe_cpu_hardware("fp32")
+    assert isinstance(hw, Hardware)
+    assert math.isfinite(hw.bandwidth_bytes_per_s) and hw.bandwidth_bytes_per_s > 0
+    assert math.isfinite(hw.peak_flops["fp32"]) and hw.peak_flops["fp32"] > 0
+    cost = pass_cost(MODEL_PRESETS["smollm2-135m"], get_hardware("cpu", "fp32"), "fp32", 1)
+    assert cost.pass_ms > 0
+
+
+# ---- speculative decoding ----------------------------------------------------------------------------
+
+
+def test_expected_accepted_length_edges():
+    assert expected_accepted_length(0.0, 5) == 1.0
+    assert expected_accepted_length(1.0, 5) == 6.0
+    assert expected_accepted_length(0.5, 0) == 1.0
+    assert expected_accepted_length(0.8, 4) == pytest.approx(1 + 0.8 + 0.64 + 0.512 + 0.4096)
+    with pytest.raises(SpecDecodeError):
+        expected_accepted_length(1.5, 3)
+
+
+def test_expected_speedup_is_accepted_length_when_drafting_is_free_and_memory_bound():
+    assert expected_speedup(LLAMA, H100, "bf16", 4, 3.0) == pytest.approx(3.0)
+    assert expected_speedup(LLAMA, H100, "bf16", 0, 1.0) == pytest.approx(1.0)
+    t1 = pass_cost(LLAMA, H100, "bf16", 1).pass_ms
+    assert expected_speedup(LLAMA, H100, "bf16", 4, 3.0, draft_cost_ms=t1) == pytest.approx(1.5)
+
+
+def test_best_draft_length_with_cheap_drafts_speculates():
+    k, speedup = best_draft_length(LLAMA, H100, "bf16", 0.8, draft_cost_ms_per_token=0.05)
+    assert k > 0
+    assert speedup > 2.0
+
+
+def test_best_draft_length_with_expensive_drafts_does_not():
+    k, speedup = best_draft_length(LLAMA, H100, "bf16", 0.8, draft_cost_ms_per_token=10.0)
+    assert (k, speedup) == (0, 1.0)
+
+
+# ---- reports -----------------------------------------------------------------------------------------
+
+
+def test_cost_report_is_json_and_has_the_chapter_numbers():
+    report = cost_report(LLAMA, H100, "bf16", [1, 5, 4096], acceptance_rate=0.8, draft_cost_ms_per_token=0.05)
+    json.dumps(report)
+    assert round(report["gate_matrix_mb"]) == 117
+    assert report["weights_gb"] == pytest.approx(16.06, abs=0.01)
+    one, five, many = report["rows"]
+    assert one["ratio_to_one_position"] == 1.0
+    assert five["ratio_to_one_position"] == 1.0
+    assert many["bound"] == "compute"
+    assert five["draft_length"] == 4
+    assert five["expected_accepted_length"] == pytest.approx(expected_accepted_length(0.8, 4))
+    assert report["best_draft_length"] > 0
+    assert report["best_speedup"] >= five["speedup"]
+
+
+def test_format_cost_table_is_markdown():
+    plain = format_cost_table(cost_report(LLAMA, H100, "bf16", [1, 5]))
+    table = [line for line in plain.splitlines() if line.startswith("|")]
+    assert len(table) == 4  # header, separator, two rows
+    assert "speedup" not in plain
+    spec = format_cost_table(cost_report(LLAMA, H100, "bf16", [1, 5], acceptance_rate=0.7))
+    assert "speedup" in spec and "best draft length" in spec
