@@ -110,9 +110,13 @@ def _positions(text: str) -> list[int]:
 
 def _load_target(args):
     import torch
+    from transformers.utils import logging as hf_logging
 
     from specdecode.models.target import Target
 
+    # transformers draws a "Loading weights" bar on stderr for every from_pretrained (target and draft
+    # model); it would break the one-line-on-stderr promise for errors raised after loading.
+    hf_logging.disable_progress_bar()
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     return Target.load(args.target, device=args.device, dtype=dtype, kernel=args.kernel, progress=_note)
 

@@ -14,10 +14,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
 from specdecode.errors import SpecDecodeError
 from specdecode.models import registry
-from specdecode.models.target import Target
+from specdecode.models.target import Target, first_line
 from specdecode.sampling import SamplingParams, probabilities, sample
 
 DEFAULT_TRUNCATED_LAYERS = 4
+
+
+def _load_error(model_name: str, source: str, error: Exception) -> SpecDecodeError:
+    return SpecDecodeError(f"could not load draft model '{model_name}' from {source} ({first_line(error)})")
 
 
 class DraftModelDrafter(Drafter):
@@ -32,13 +36,19 @@ class DraftModelDrafter(Drafter):
             model.tie_weights()
         else:
             source = registry.resolve(model_name)
-            config = AutoConfig.from_pretrained(source)
+            try:
+                config = AutoConfig.from_pretrained(source)
+            except Exception as e:  # no network for a hub id, a broken config.json, ...
+                raise _load_error(model_name, source, e) from e
             if config.vocab_size != target.vocab_size:
                 raise SpecDecodeError(
                     f"draft model {model_name} has a vocabulary of {config.vocab_size} tokens but the target "
                     f"{target.name} has {target.vocab_size}: a draft model must share the target's tokenizer"
                 )
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=target.model.dtype)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=target.model.dtype)
+            except Exception as e:  # missing or corrupt weights surface as many different errors
+                raise _load_error(model_name, source, e) from e
         self.model = model.to(target.device).eval()
         self.description = f"{model_name}" if model_name else f"first {layers} layers of {target.name}"
         self.device = target.device

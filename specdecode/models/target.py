@@ -29,6 +29,12 @@ class PassOutput:
     last_hidden: torch.Tensor  # (k, H), after the final norm
 
 
+def first_line(error: Exception) -> str:
+    """`Type: first line of the message`, for one-line error reports."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -81,11 +87,9 @@ class Target:
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
-        except OSError as e:
-            raise SpecDecodeError(f"could not load model '{name}' from {source}: {str(e).splitlines()[0]}") from e
         except Exception as e:  # a corrupt cache folder surfaces as many different errors
             raise SpecDecodeError(
-                f"could not load model '{name}' from {source} ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                f"could not load model '{name}' from {source} ({first_line(e)}); "
                 f"if this is a converted cache folder, delete it and run again"
             ) from e
         return cls(model.to(device), tokenizer, name=name, kernel=kernel, source=source)

@@ -1,0 +1,1 @@
+"""Benchmarks and evaluation: every result is JSON + a markdown table (+ plots) under docs/results/."""

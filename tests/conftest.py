@@ -1,0 +1,46 @@
+"""Shared fixtures: the real default target (loaded once) and tiny random models for model-free behaviour."""
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specdecode.models.target import Target
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Target:
+    """The real default target; tests that need it share one instance (and reset its cache)."""
+    return Target.load("smollm2-135m")
+
+
+def tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tokens t0..t{V-1}; t0 is EOS."""
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t0", unk_token="t1")
+
+
+def tiny_llama(vocab_size: int = 24, layers: int = 2, hidden: int = 32, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=0,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper logits than the default init, so distributions are not near-uniform
+        model.lm_head.weight.mul_(20)
+    return model.eval()
+
+
+def tiny_target(vocab_size: int = 24, seed: int = 0, kernel: str = "auto") -> Target:
+    return Target(tiny_llama(vocab_size, seed=seed), tiny_tokenizer(vocab_size), name="tiny", kernel=kernel)

@@ -1,0 +1,150 @@
+"""The CLI's promise: bad input gets one clear line on stderr, a non-zero exit status, never a traceback.
+
+Every case runs the real CLI in a subprocess. Cases rejected during argument validation exit before the
+target is loaded (about the cost of importing torch); the others load the default target (a few seconds).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models import registry
+
+CONTEXT = 8192  # max_position_embeddings of the default target, smollm2-135m
+LONG_PROMPT = "hello " * 9000  # 9001 tokens with SmolLM2's tokenizer; the test checks it from the error
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # nothing here may reach a model hub
+    # One thread: on a busy shared CPU, OpenMP threads spinning at barriers make each pass ~50x slower.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run(
+        [sys.executable, "-m", "specdecode.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, expected: str) -> str:
+    """Non-zero exit, no traceback, exactly one line on stderr, and that line names the problem."""
+    assert done.returncode != 0, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert expected.lower() in lines[0].lower(), lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def converted_target() -> str:
+    """The default target, converted once; a CLI run that converts would print progress notes first."""
+    try:
+        return registry.resolve(registry.DEFAULT_TARGET)
+    except SpecDecodeError as e:
+        pytest.skip(f"default target not available: {e}")
+
+
+@pytest.fixture(scope="module")
+def other_vocab_model(tmp_path_factory) -> str:
+    """A tiny random Llama whose vocabulary (1000) differs from the target's (49152); no tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=1000,
+    )
+    folder = tmp_path_factory.mktemp("other-vocab")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def broken_config_model(tmp_path_factory) -> str:
+    """A folder whose config.json is not JSON."""
+    folder = tmp_path_factory.mktemp("broken-config")
+    (folder / "config.json").write_text("not json {")
+    return str(folder)
+
+
+VALIDATION_CASES = [
+    (["generate", "hi", "--target", "no-such-model"], "unknown model"),
+    (["generate", ""], "empty"),
+    (["generate", "   "], "empty"),
+    (["generate", "hi", "--temperature", "-0.5"], "temperature"),
+    (["generate", "hi", "--temperature", "abc"], "temperature"),
+    (["generate", "hi", "--top-p", "0"], "top_p"),
+    (["generate", "hi", "--top-p", "1.5"], "top_p"),
+    (["cost", "--hardware", "nope"], "unknown hardware"),
+    (["cost", "--dtype", "nope"], "unknown dtype"),
+    (["cost", "--positions", "0"], "positions"),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), VALIDATION_CASES, ids=[" ".join(a) for a, _ in VALIDATION_CASES])
+def test_bad_arguments_give_one_line(args, expected):
+    """Bad arguments (including an argparse type error) exit non-zero with one clear line, no traceback."""
+    assert_one_line_error(run_cli(*args), expected)
+
+
+LOADED_CASES = [
+    (["generate", "hi", "--drafter", "nope"], "unknown drafter"),
+    (["generate", "hi", "--drafter", "draft-model", "--draft-model", "{other_vocab_model}"], "vocabulary"),
+    (["generate", "hi", "--drafter", "draft-model", "--draft-model", "{broken_config_model}"], "draft model"),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), LOADED_CASES, ids=["unknown-drafter", "other-vocab", "broken-config"])
+def test_errors_after_loading_give_one_line(args, expected, converted_target, other_vocab_model, broken_config_model):
+    """Errors found once the target is loaded are still one line: no weight-loading bar, no traceback."""
+    folders = {"other_vocab_model": other_vocab_model, "broken_config_model": broken_config_model}
+    assert_one_line_error(run_cli(*[a.format(**folders) for a in args]), expected)
+
+
+def test_prompt_longer_than_context_gives_one_line(converted_target):
+    """A raw prompt of more tokens than the target's context is refused with one line naming the context."""
+    line = assert_one_line_error(run_cli("generate", LONG_PROMPT, "--raw"), "context")
+    numbers = re.search(r"prompt has (\d+) tokens .* context holds (\d+)", line)
+    assert numbers, line
+    prompt_tokens, context = int(numbers.group(1)), int(numbers.group(2))
+    assert context == CONTEXT
+    assert prompt_tokens > context  # the prompt really exceeds the context, so this is the check that fired
+
+
+def test_generate_json_success(converted_target):
+    """A good request exits 0 and prints valid JSON with the text, token ids and decoding statistics."""
+    done = run_cli("generate", "Say hi.", "--max-new-tokens", "8", "--json", "--drafter", "ngram")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert len(result["completions"]) == 1
+    completion = result["completions"][0]
+    for key in ("text", "token_ids", "accepted_lengths", "mean_accepted_length", "target_passes", "wall_s"):
+        assert key in completion, key
+    assert isinstance(completion["text"], str)
+    assert 1 <= len(completion["token_ids"]) <= 8
+    assert all(isinstance(t, int) for t in completion["token_ids"])
+    assert sum(completion["accepted_lengths"]) >= len(completion["token_ids"])
+    assert completion["target_passes"] == len(completion["accepted_lengths"])
+
+
+def test_seeded_samples_are_reproducible(converted_target):
+    """--num-samples 3 gives three completions, and the same seed gives the same token ids on a rerun."""
+    args = ("generate", "Say hi.", "--max-new-tokens", "8", "--num-samples", "3", "--temperature", "0.8")
+    runs = []
+    for _ in range(2):
+        done = run_cli(*args, "--seed", "1", "--json")
+        assert done.returncode == 0, done.stderr
+        completions = json.loads(done.stdout)["completions"]
+        assert len(completions) == 3
+        runs.append([c["token_ids"] for c in completions])
+    assert runs[0] == runs[1]

@@ -1,0 +1,183 @@
+"""The acceptance rules: exact properties, and the output distribution equals the target's (toy model).
+
+The toy "model" is a Markov chain over a small vocabulary: the target's next-token distribution is a
+row of P, the drafter's a row of Q. Three tokens have 6^3 outcomes whose exact probabilities are known,
+so a chi-square test with fixed seeds checks speculative sampling against them.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from specdecode.sampling import SamplingParams, probabilities, sample
+from specdecode.verify import ChainResult, verify_chain, verify_greedy
+
+V = 6
+
+
+def chi_square_pvalue(counts: Counter, exact: dict, n: int, min_expected: float = 5.0) -> float:
+    """Goodness of fit; outcomes expected fewer than `min_expected` times are pooled into one bin."""
+    observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
+    for outcome, prob in exact.items():
+        if prob * n >= min_expected:
+            observed.append(counts.get(outcome, 0))
+            expected.append(prob * n)
+        else:
+            pooled_obs += counts.get(outcome, 0)
+            pooled_exp += prob * n
+    impossible = sum(c for o, c in counts.items() if exact.get(o, 0.0) == 0.0)
+    if impossible:
+        return 0.0  # an outcome the target can never produce
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+def markov_chain(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, V, generator=g) * 1.5, torch.randn(V, V, generator=g) * 1.5
+
+
+def exact_three_tokens(p: torch.Tensor) -> dict:
+    return {(a, b, c): float(p[0, a] * p[a, b] * p[b, c]) for a in range(V) for b in range(V) for c in range(V)}
+
+
+def speculative_markov(p, q, n, draft_length, sampled_drafts, seed, verifier=verify_chain) -> Counter:
+    """Generate 3 tokens n times with chain drafts from q and verification against p."""
+    g = torch.Generator().manual_seed(seed)
+    counts = Counter()
+    for _ in range(n):
+        seq = [0]
+        while len(seq) < 4:
+            drafts, dists, prev = [], [], seq[-1]
+            for _ in range(draft_length):
+                dist = q[prev]
+                prev = sample(dist, g) if sampled_drafts else int(dist.argmax())
+                drafts.append(prev)
+                dists.append(dist)
+            context = torch.tensor([seq[-1], *drafts])
+            result = verifier(p[context], torch.tensor(drafts), torch.stack(dists) if sampled_drafts else None, g)
+            seq += result.tokens
+        counts[tuple(seq[1:4])] += 1
+    return counts
+
+
+SETTINGS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=3),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=1.3, top_k=4, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("sampled_drafts", [True, False], ids=["sampled-q", "deterministic-q"])
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+def test_chain_output_follows_target_distribution(params, sampled_drafts):
+    """Speculative sampling of 3 tokens matches p exactly (chi-square), with top-k/top-p on and off."""
+    p_logits, q_logits = markov_chain(seed=1)
+    p = probabilities(p_logits, params)
+    q = q_logits.softmax(-1)  # the drafter need not share the target's filters
+    n = 6000
+    counts = speculative_markov(p, q, n, draft_length=3, sampled_drafts=sampled_drafts, seed=7)
+    assert chi_square_pvalue(counts, exact_three_tokens(p), n) > 1e-3
+
+
+def test_the_distribution_test_can_fail():
+    """Negative control: a verifier that always keeps the drafts yields q's distribution, and is caught."""
+
+    def accept_all(target_probs, drafts, draft_probs, generator):
+        return ChainResult(tokens=drafts.tolist() + [sample(target_probs[-1], generator)], num_accepted=len(drafts))
+
+    p_logits, q_logits = markov_chain(seed=1)
+    p, q = probabilities(p_logits, SETTINGS[0]), q_logits.softmax(-1)
+    counts = speculative_markov(p, q, 6000, 3, True, seed=7, verifier=accept_all)
+    assert chi_square_pvalue(counts, exact_three_tokens(p), 6000) < 1e-6
+
+
+def test_greedy_chain_is_the_greedy_sequence():
+    """Temperature 0: whatever the drafts, the committed tokens are the target's argmax chain."""
+    p_logits, q_logits = markov_chain(seed=2)
+    greedy = SamplingParams()
+    p, q = probabilities(p_logits, greedy), q_logits.softmax(-1)
+    expected = [0]
+    for _ in range(3):
+        expected.append(int(p_logits[expected[-1]].argmax()))
+    for seed in range(20):
+        assert speculative_markov(p, q, 1, 3, True, seed) == Counter({tuple(expected[1:]): 1})
+
+
+def test_verify_greedy_examples():
+    assert verify_greedy(torch.tensor([5, 6, 7, 8]), torch.tensor([5, 6, 7])) == ChainResult([5, 6, 7, 8], 3)
+    assert verify_greedy(torch.tensor([5, 6, 7, 8]), torch.tensor([5, 9, 7])) == ChainResult([5, 6], 1)
+    assert verify_greedy(torch.tensor([5, 6, 7, 8]), torch.tensor([4, 6, 7])) == ChainResult([5], 0)
+    assert verify_greedy(torch.tensor([3]), torch.tensor([], dtype=torch.long)) == ChainResult([3], 0)
+
+
+def test_rejected_token_is_never_resampled_for_deterministic_drafts():
+    """With one-hot q the residual is p without the rejected token: it can never come back."""
+    p = torch.tensor([[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]])
+    g = torch.Generator().manual_seed(0)
+    outcomes = Counter()
+    for _ in range(2000):
+        result = verify_chain(p, torch.tensor([1]), None, g)
+        outcomes[tuple(result.tokens[:1]) if result.num_accepted == 0 else ("kept",)] += 1
+    assert set(outcomes) == {("kept",), (0,)}
+    assert abs(outcomes[("kept",)] / 2000 - 0.5) < 0.05
+
+
+distributions = st.lists(st.floats(0.0, 1.0), min_size=V, max_size=V).filter(lambda xs: sum(xs) > 1e-3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    p_rows=st.lists(distributions, min_size=1, max_size=5),
+    q_rows=st.lists(distributions, min_size=4, max_size=4),
+    drafts=st.lists(st.integers(0, V - 1), min_size=0, max_size=4),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_chain_invariants(p_rows, q_rows, drafts, seed):
+    """Any p, q and drafts: 1..k+1 tokens, drafts kept as a prefix, every committed token has p > 0."""
+    k = min(len(drafts), len(p_rows) - 1)
+    p = torch.tensor(p_rows[: k + 1])
+    p = p / p.sum(-1, keepdim=True)
+    q = torch.tensor(q_rows[:k]).reshape(k, V)
+    q = q / q.sum(-1, keepdim=True)
+    tokens = torch.tensor(drafts[:k], dtype=torch.long)
+    for draft_probs in (q, None):
+        result = verify_chain(p, tokens, draft_probs, torch.Generator().manual_seed(seed))
+        assert 0 <= result.num_accepted <= k
+        assert len(result.tokens) == result.num_accepted + 1
+        assert result.tokens[: result.num_accepted] == tokens[: result.num_accepted].tolist()
+        assert all(p[i, t] > 0 for i, t in enumerate(result.tokens))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    logits=st.lists(st.lists(st.floats(-5, 5), min_size=V, max_size=V), min_size=1, max_size=5),
+    drafts=st.lists(st.integers(0, V - 1), min_size=0, max_size=4),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sampling_rule_reduces_to_greedy_rule(logits, drafts, seed):
+    """At temperature 0 p is one-hot, and min(1, p/q) + residual gives exactly the greedy match rule."""
+    logits = torch.tensor(logits)
+    k = min(len(drafts), len(logits) - 1)
+    tokens = torch.tensor(drafts[:k], dtype=torch.long)
+    p = probabilities(logits[: k + 1], SamplingParams())
+    q = torch.full((k, V), 1.0 / V)
+    g = torch.Generator().manual_seed(seed)
+    assert verify_chain(p, tokens, q, g) == verify_greedy(logits[: k + 1].argmax(-1), tokens)
+
+
+def test_sampling_params_shape_p():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    top2 = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (top2[0, 2:] == 0).all() and abs(float(top2.sum()) - 1) < 1e-6
+    nucleus = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert int((nucleus > 0).sum()) == 1  # the top token alone holds more than half the mass
+    assert torch.equal(probabilities(logits, SamplingParams()), torch.tensor([[1.0, 0, 0, 0]]))
