@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks that write docs/results/")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)
-    bp = bsub.add_parser("premise", help="t(k)/t(1) of the target's verify pass, per kernel and context")
-    _add_target_args(bp)
+    bp = bsub.add_parser("premise", help="t(k)/t(1) of the target's verify pass, per kernel, dtype and context")
+    bp.add_argument("--target", default=DEFAULT_TARGET)
     bp.add_argument("--positions", default="1,2,3,4,6,8,12,16")
     bp.add_argument("--contexts", default="128,512,1024")
     bp.add_argument("--reps", type=int, default=15)

@@ -1,0 +1,145 @@
+"""`specdecode bench premise`: does a verify pass over k positions cost about what one position costs?
+
+For each variant (float32 with the stock MKL kernel, with prepacked oneDNN, and with the per-k dispatch
+`auto` the library uses; and bfloat16, which oneDNN runs on AMX units where the CPU has them), each
+context length and k = 1..16, the median time of one target pass with the KV cache, interleaved across
+variants and k so that drift on a shared machine hits every variant alike. The cost model's prediction for this machine
+(a memory-bound pass: t(k)/t(1) = 1) is written beside the measurement.
+"""
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdecode import costmodel
+from specdecode.evaluation.load import MAX_FOREIGN_CORES, ForeignLoad
+from specdecode.evaluation.results import write_results
+from specdecode.models.kernels import KERNELS
+from specdecode.models.target import Target
+
+
+def _time_pass(target: Target, context: int, k: int, generator: torch.Generator) -> float:
+    target.rollback(context)
+    ids = torch.randint(100, target.vocab_size, (k,), generator=generator)
+    start = time.perf_counter()
+    target.forward(ids)
+    return (time.perf_counter() - start) * 1000
+
+
+def run_premise(target_name: str, positions: list[int], contexts: list[int], reps: int, out_dir: str) -> dict:
+    targets = {f"fp32-{kernel}": Target.load(target_name, kernel=kernel) for kernel in KERNELS}
+    targets["bf16"] = Target.load(target_name, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    times: dict[tuple[str, int, int], list[float]] = {}
+    foreign: list[float] = []
+    bar = tqdm(total=len(contexts) * reps, desc="premise", unit="rep")
+    for context in contexts:
+        prefix = torch.randint(100, targets["bf16"].vocab_size, (context,), generator=generator)
+        for target in targets.values():
+            target.reset()
+            target.forward(prefix, logits=False)
+            for k in positions:  # warm-up
+                _time_pass(target, context, k, generator)
+        done = 0
+        while done < reps:
+            with ForeignLoad() as load:
+                sample = {
+                    (variant, context, k): _time_pass(target, context, k, generator)
+                    for variant, target in targets.items()
+                    for k in positions
+                }
+            if load.cores > MAX_FOREIGN_CORES:  # contaminated by another process: measure this rep again
+                time.sleep(0.5)
+                continue
+            foreign.append(load.cores)
+            for key, ms in sample.items():
+                times.setdefault(key, []).append(ms)
+            done += 1
+            bar.update()
+    bar.close()
+
+    shape = costmodel.ModelShape.from_hf_config(targets["bf16"].source)
+    hardware = costmodel.probe_cpu_hardware("fp32")
+    runs = []
+    for context in contexts:
+        best_one = min(statistics.median(times[(variant, context, 1)]) for variant in targets)
+        predicted_one = costmodel.pass_cost(shape, hardware, "fp32", 1, context_len=context).pass_ms
+        for variant in targets:
+            one = statistics.median(times[(variant, context, 1)])
+            for k in positions:
+                ms = statistics.median(times[(variant, context, k)])
+                predicted = costmodel.pass_cost(shape, hardware, "fp32", k, context_len=context).pass_ms
+                runs.append(
+                    {
+                        "variant": variant,
+                        "context": context,
+                        "positions": k,
+                        "ms_median": round(ms, 3),
+                        "ratio_to_k1": round(ms / one, 3),
+                        "ratio_to_best_k1": round(ms / best_one, 3),
+                        "predicted_ms": round(predicted, 3),
+                        "predicted_ratio": round(predicted / predicted_one, 3),
+                    }
+                )
+    variants = list(targets)
+    table = _table(runs, variants, positions, contexts)
+    plot = _plot(runs, variants, positions, contexts, out_dir)
+    write_results(
+        "premise",
+        out_dir,
+        target_name,
+        runs,
+        table + f"\n![t(k)/t(1)]({plot.name})\n",
+        reps=reps,
+        foreign_load_cores_median=round(statistics.median(foreign), 3),
+        cpu_probe={"read_gb_per_s": round(hardware.bandwidth_bytes_per_s / 1e9, 2)},
+    )
+    print(table)
+    return {"runs": runs}
+
+
+def _table(runs: list[dict], variants: list[str], positions: list[int], contexts: list[int]) -> str:
+    lines = [
+        "Median ms of one target pass over k new positions (in parentheses: t(k) / t(1) of the same variant; "
+        "`fp32-auto` is the library's default on CPU).\n",
+        "| variant | context | " + " | ".join(f"k={k}" for k in positions) + " |",
+        "|---|---:|" + "---:|" * len(positions),
+    ]
+    for context in contexts:
+        for variant in variants:
+            cells = [r for r in runs if r["variant"] == variant and r["context"] == context]
+            lines.append(
+                f"| {variant} | {context} | "
+                + " | ".join(f"{r['ms_median']:.1f} ({r['ratio_to_k1']:.2f})" for r in cells)
+                + " |"
+            )
+    return "\n".join(lines)
+
+
+def _plot(runs: list[dict], variants: list[str], positions: list[int], contexts: list[int], out_dir: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts), 3.6), sharey=True)
+    for ax, context in zip(list(axes) if len(contexts) > 1 else [axes], contexts, strict=True):
+        for variant in variants:
+            cells = [r for r in runs if r["variant"] == variant and r["context"] == context]
+            ax.plot(positions, [r["ratio_to_best_k1"] for r in cells], marker="o", label=variant)
+        predicted = [r["predicted_ratio"] for r in runs if r["variant"] == "fp32-auto" and r["context"] == context]
+        ax.plot(positions, predicted, "k--", label="cost model (memory-bound)")
+        ax.set_title(f"context {context}")
+        ax.set_xlabel("positions k in one pass")
+        ax.grid(alpha=0.3)
+    (axes[0] if len(contexts) > 1 else axes).set_ylabel("t(k) / best t(1)")
+    (axes[0] if len(contexts) > 1 else axes).legend()
+    fig.tight_layout()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(out_dir) / "premise.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
