@@ -1,5 +1,7 @@
 """Drafters: `none` (normal decoding), `ngram`, `draft-model`, and trained drafters loaded from a folder."""
 
+from pathlib import Path
+
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
@@ -21,4 +23,10 @@ def build_drafter(spec: str, target: Target, draft_model: str | None = None) -> 
         from specdecode.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(target, draft_model)
-    raise SpecDecodeError(f"unknown drafter '{spec}'; choose one of {', '.join(BUILTIN_DRAFTERS)}")
+    if Path(spec).expanduser().is_dir():
+        from specdecode.drafters.checkpoint import load_drafter
+
+        return load_drafter(Path(spec).expanduser(), target)
+    raise SpecDecodeError(
+        f"unknown drafter '{spec}'; choose one of {', '.join(BUILTIN_DRAFTERS)} or a trained drafter's folder"
+    )

@@ -16,10 +16,12 @@ from specdecode.sampling import SamplingParams
 
 @dataclass
 class Proposal:
-    """k draft tokens (k may be 0) and, for sampled proposals, their distributions q (k, V)."""
+    """k draft tokens (k may be 0), for sampled proposals their distributions q (k, V), and where the
+    drafter estimates them, confidences: P(token j survives | tokens before it survived)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    confidences: torch.Tensor | None = None
 
     @property
     def length(self) -> int:

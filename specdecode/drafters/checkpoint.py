@@ -1,0 +1,108 @@
+"""Drafter checkpoints: a folder with `config.json` and `model.safetensors`.
+
+The config records the drafter kind and architecture, the target's identity (name and a fingerprint of
+its config and embedding), the target layer ids with their indexing convention, the training recipe and
+any calibration. A drafter only makes sense for the target whose features it learned, so loading one
+against another target is refused.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.target import Target, first_line
+
+FORMAT_VERSION = 1
+LAYER_CONVENTION = "output_of_layer"  # see specdecode/models/target.py
+
+
+def target_fingerprint(target: Target) -> str:
+    """Hash of the shapes that matter and of the embedding matrix: the same target, or a mismatch."""
+    c = target.config
+    digest = hashlib.sha256()
+    digest.update(json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads]).encode())
+    digest.update(target.model.get_input_embeddings().weight.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def save_drafter(
+    path: str | Path, kind: str, model: torch.nn.Module, architecture: dict, target: Target, recipe: dict | None = None
+) -> Path:
+    """Write the trainable weights and the config; the target's frozen parts are never stored."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(weights, str(out / "model.safetensors"))
+    config = {
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "architecture": architecture,
+        "target": {"name": target.name, "fingerprint": target_fingerprint(target)},
+        "target_layer_ids": architecture.get("target_layer_ids", []),
+        "layer_index_convention": LAYER_CONVENTION,
+        "recipe": recipe or {},
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
+def read_config(path: str | Path) -> dict:
+    folder = Path(path)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError as e:
+        raise SpecDecodeError(f"{folder} is not a drafter checkpoint: no config.json") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecDecodeError(f"drafter checkpoint {folder} has an unreadable config.json ({first_line(e)})") from e
+    for key in ("kind", "architecture", "target"):
+        if key not in config:
+            raise SpecDecodeError(f"drafter checkpoint {folder} is broken: config.json has no '{key}'")
+    if config.get("layer_index_convention", LAYER_CONVENTION) != LAYER_CONVENTION:
+        raise SpecDecodeError(f"drafter checkpoint {folder} uses layer convention {config['layer_index_convention']}")
+    return config
+
+
+def check_target(config: dict, target: Target, path: str | Path) -> None:
+    expected = config["target"].get("fingerprint")
+    actual = target_fingerprint(target)
+    if expected != actual:
+        raise SpecDecodeError(
+            f"drafter {path} was trained for target '{config['target'].get('name')}' (fingerprint {expected}), "
+            f"not for '{target.name}' (fingerprint {actual})"
+        )
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    file = Path(path) / "model.safetensors"
+    try:
+        weights = load_file(str(file))
+    except Exception as e:  # safetensors raises several types for a truncated or foreign file
+        raise SpecDecodeError(f"drafter weights {file} cannot be read ({first_line(e)})") from e
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise SpecDecodeError(
+            f"drafter weights {file} do not match the architecture in config.json "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+
+
+def load_drafter(path: str | Path, target: Target):
+    """Build the drafter stored at `path` for `target`, refusing a checkpoint made for another target."""
+    config = read_config(path)
+    check_target(config, target, path)
+    kind = config["kind"]
+    if kind in ("dspark", "dflash"):
+        from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel
+
+        try:
+            arch = DSparkConfig(**config["architecture"])
+        except TypeError as e:
+            raise SpecDecodeError(f"drafter checkpoint {path} has an invalid architecture ({first_line(e)})") from e
+        model = DSparkModel(arch, target.model.get_input_embeddings(), target.model.get_output_embeddings())
+        load_weights(model, path)
+        return BlockDrafter(model.to(target.device))
+    raise SpecDecodeError(f"drafter checkpoint {path} has unknown kind '{kind}'")

@@ -1,0 +1,277 @@
+"""DSpark (and DFlash, the same model with two parts switched off): a block drafter over target features.
+
+Parallel stage (the DFlash backbone): a few decoder layers shaped like the target's read a block
+[anchor, MASK x (gamma-1)] at its true positions. Every layer attends bidirectionally inside the block and
+to the committed context, whose target features (several layers' outputs, concatenated, projected by one
+linear layer and RMS-normed) enter as extra keys and values through that layer's own k/v projections.
+DSpark's change to DFlash: the anchor is itself the first prediction position, so gamma inputs give gamma
+draft logits. The target's embedding and LM head are used, frozen and shared, never stored.
+
+Sequential stage (DSpark only): a Markov head adds a low-rank bias from the previous draft token,
+B(x_{k-1}) = W2(W1[x_{k-1}]), and sampling runs left to right; the corrected distribution is the q that
+verification uses, so min(1, p/q) stays exact. A confidence head c_k = sigmoid(w . [h_k ; W1[x_{k-1}]])
+estimates P(token k survives | its prefix survived) for the scheduler.
+
+Mask token: SmolLM2 uses every row of its embedding, so there is no spare id to borrow; the mask input is
+a learned embedding vector (`mask_embedding`). A target with a spare row can name it in `mask_token_id`.
+"""
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
+from specdecode.sampling import SamplingParams, probabilities, sample
+
+
+@dataclass
+class DSparkConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    num_layers: int = 2
+    block_size: int = 7  # gamma: draft tokens per round = anchor + (gamma - 1) masks
+    mask_token_id: int | None = None  # None: a learned mask embedding
+    markov_rank: int = 64  # 0 switches the sequential stage off (DFlash)
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
+    confidence_head: bool = True
+    num_anchors: int = 32  # blocks trained per sequence
+    loss_decay: float = 4.0  # position weight exp(-(k-1)/decay)
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    confidence_weight: float = 1.0
+    calibration_temperatures: list[float] = field(default_factory=list)  # per position, from STS
+
+    @property
+    def kind(self) -> str:
+        return "dspark" if self.markov_rank > 0 else "dflash"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim), False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (..., L, d) rotated by positions (..., L)."""
+        angles = positions[..., None].float() * self.inv_freq
+        emb = torch.cat([angles, angles], dim=-1)
+        return x * emb.cos().to(x.dtype) + rotate_half(x) * emb.sin().to(x.dtype)
+
+
+class DraftLayer(nn.Module):
+    """A pre-norm Llama-style block whose attention also sees the context's keys and values."""
+
+    def __init__(self, c: DSparkConfig) -> None:
+        super().__init__()
+        self.c = c
+        h, d = c.hidden_size, c.head_dim
+        self.input_layernorm = nn.RMSNorm(h, eps=c.rms_norm_eps)
+        self.q_proj = nn.Linear(h, c.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * d, h, bias=False)
+        self.post_attention_layernorm = nn.RMSNorm(h, eps=c.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+
+    def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:-1], n, self.c.head_dim).transpose(-2, -3)
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
+        """Keys (rotated) and values of context features (B, T, H) at `positions` (B, T)."""
+        k = rotary(self.heads(self.k_proj(context), self.c.num_kv_heads), positions[:, None])
+        return k, self.heads(self.v_proj(context), self.c.num_kv_heads)
+
+    def forward(self, x, positions, ctx_k, ctx_v, rotary: Rotary, mask: torch.Tensor | None) -> torch.Tensor:
+        """x (B, Q, H) block tokens at `positions` (B, Q); ctx_k/ctx_v (B, kvh, T, d); mask (B, 1, Q, T+Q)."""
+        normed = self.input_layernorm(x)
+        q = rotary(self.heads(self.q_proj(normed), self.c.num_heads), positions[:, None])
+        k = rotary(self.heads(self.k_proj(normed), self.c.num_kv_heads), positions[:, None])
+        v = self.heads(self.v_proj(normed), self.c.num_kv_heads)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        x = x + self.o_proj(attn.transpose(1, 2).flatten(-2))
+        normed = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+
+
+class MarkovHead(nn.Module):
+    """The sequential stage: a bias on position k's logits from the token drawn at k-1."""
+
+    def __init__(self, c: DSparkConfig) -> None:
+        super().__init__()
+        self.kind, r = c.markov_head_type, c.markov_rank
+        if self.kind not in ("vanilla", "gated", "rnn"):
+            raise ValueError(f"unknown Markov head type {self.kind!r}")
+        self.w1 = nn.Embedding(c.vocab_size, r)
+        self.w2 = nn.Linear(r, c.vocab_size, bias=False)
+        nn.init.zeros_(self.w2.weight)  # start as plain DFlash
+        if self.kind == "gated":
+            self.gate = nn.Linear(c.hidden_size + r, r)
+        if self.kind == "rnn":
+            self.cell = nn.Linear(2 * r + c.hidden_size, 3 * r)
+        self.rank = r
+
+    def step(self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None):
+        """h (..., H), prev (...) -> (bias (..., V), prev embedding (..., r), new state)."""
+        e = self.w1(prev)
+        if self.kind == "vanilla":
+            return self.w2(e), e, state
+        if self.kind == "gated":
+            return self.w2(torch.sigmoid(self.gate(torch.cat([h, e], -1))) * e), e, state
+        s = torch.zeros_like(e) if state is None else state
+        g, cand, out = self.cell(torch.cat([s, e, h], -1)).chunk(3, dim=-1)
+        s = torch.sigmoid(g) * s + (1 - torch.sigmoid(g)) * torch.tanh(cand)
+        return self.w2(torch.tanh(out)), e, s
+
+
+class DSparkModel(nn.Module):
+    """Trainable weights of a DSpark/DFlash drafter; the target's embedding and LM head are passed in."""
+
+    def __init__(self, config: DSparkConfig, embedding: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.config = c = config
+        self._frozen = (embedding, lm_head)  # a tuple, so they are neither trained nor saved
+        n_features = len(c.target_layer_ids) * c.hidden_size
+        self.fc = nn.Linear(n_features, c.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.rotary = Rotary(c.head_dim, c.rope_theta)
+        if c.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(torch.randn(c.hidden_size) * 0.02)
+        self.markov = MarkovHead(c) if c.markov_rank > 0 else None
+        if c.confidence_head:
+            self.confidence = nn.Linear(c.hidden_size + c.markov_rank, 1)
+
+    # ------------------------------------------------------------------ shared pieces
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._frozen[0](ids)
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        return self._frozen[1](h)
+
+    def mask_input(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.config.mask_token_id is not None:
+            return self.embed(torch.full(shape, self.config.mask_token_id, dtype=torch.long))
+        return self.mask_embedding.expand(*shape, -1)
+
+    def context(self, layer_hidden: torch.Tensor) -> torch.Tensor:
+        """Target features (..., n*H) -> one context vector per committed token."""
+        return self.hidden_norm(self.fc(layer_hidden))
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys and values of context vectors (B, T, H) at positions (B, T)."""
+        return [layer.context_kv(context, positions, self.rotary) for layer in self.layers]
+
+    def backbone(self, block_inputs, block_positions, context_kv, mask) -> torch.Tensor:
+        """The parallel stage: final-normed hidden states of the block tokens (B, Q, H)."""
+        x = block_inputs
+        for layer, (ctx_k, ctx_v) in zip(self.layers, context_kv, strict=True):
+            x = layer(x, block_positions, ctx_k, ctx_v, self.rotary, mask)
+        return self.norm(x)
+
+    def training_losses(self, batch, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        from specdecode.training.block_losses import training_losses
+
+        return training_losses(self, batch, generator)
+
+    def sequential(self, h: torch.Tensor, base_logits: torch.Tensor, prev: torch.Tensor, choose=None):
+        """Left to right over the block: corrected logits, confidence logits and the tokens fed forward.
+
+        h (..., G, H), base_logits (..., G, V), prev (...) the anchor. Teacher forcing passes the labels as
+        `choose` (a tensor (..., G)); inference passes a function logits -> token.
+        """
+        logits, conf, tokens, state = [], [], [], None
+        for k in range(h.shape[-2]):
+            step_logits, e = base_logits[..., k, :], None
+            if self.markov is not None:
+                bias, e, state = self.markov.step(h[..., k, :], prev, state)
+                step_logits = step_logits + bias
+            if self.config.confidence_head:
+                features = h[..., k, :] if e is None else torch.cat([h[..., k, :], e], -1)
+                conf.append(self.confidence(features).squeeze(-1))
+            token = choose[..., k] if isinstance(choose, torch.Tensor) else choose(step_logits)
+            logits.append(step_logits)
+            tokens.append(token)
+            prev = token
+        stack = torch.stack
+        return stack(logits, -2), (stack(conf, -1) if conf else None), stack(tokens, -1)
+
+
+class BlockDrafter(Drafter):
+    """Inference with a DSpark/DFlash model: the projected context K/V is cached and grows each round;
+    the block's own K/V is never kept."""
+
+    def __init__(self, model: DSparkModel) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        self.name = model.config.kind
+        self.target_layer_ids = list(model.config.target_layer_ids)
+
+    def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:
+        self.params, self.generator = params, generator
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.length = 0
+        if features is not None:
+            self._append(features)
+
+    @torch.inference_mode()
+    def _append(self, features: TargetFeatures) -> None:
+        """Project the target features of newly committed positions into every layer's context K/V."""
+        n = features.layer_hidden.shape[0]
+        positions = torch.arange(self.length, self.length + n)[None]
+        new = self.model.context_kv(self.model.context(features.layer_hidden[None]), positions)
+        if self.kv is None:
+            self.kv = new
+        else:
+            self.kv = [
+                (torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.kv, new, strict=True)
+            ]
+        self.length += n
+
+    @torch.inference_mode()
+    def propose(self, ids: list[int], max_tokens: int) -> Proposal:
+        c, model = self.config, self.model
+        if max_tokens <= 0 or self.kv is None:
+            return Proposal(tokens=torch.empty(0, dtype=torch.long))
+        anchor = torch.tensor([ids[-1]])
+        inputs = torch.cat([model.embed(anchor), model.mask_input((c.block_size - 1,))])[None]
+        positions = torch.arange(len(ids) - 1, len(ids) - 1 + c.block_size)[None]
+        h = model.backbone(inputs, positions, self.kv, None)[0]
+        sampled = c.kind == "dspark" and not self.params.greedy  # DFlash positions are marginals: argmax only
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:
+            if not sampled:
+                return logits.argmax(-1)
+            return torch.tensor(sample(probabilities(logits, self.params), self.generator))
+
+        logits, conf, tokens = model.sequential(h, model.lm_head(h), anchor[0], choose=choose)
+        tokens, logits = tokens[:max_tokens], logits[:max_tokens]
+        confidences = None
+        if conf is not None:
+            temps = torch.tensor(c.calibration_temperatures or [1.0] * c.block_size)[: len(tokens)]
+            confidences = torch.sigmoid(conf[: len(tokens)] / temps)
+        probs = probabilities(logits, self.params) if sampled else None
+        return Proposal(tokens=tokens, probs=probs, confidences=confidences)
+
+    def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
+        self._append(features)
