@@ -78,6 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per prompt")
     bb.add_argument("--out", default="docs/results")
 
+    data = sub.add_parser("data", help="training data: the target regenerates the answers")
+    dsub = data.add_subparsers(dest="data", required=True, parser_class=_Parser)
+    dr = dsub.add_parser("regenerate", help="build a prompt mix and let the target answer it (resumable)")
+    _add_target_args(dr)
+    dr.add_argument("--out", required=True, help="output folder (JSONL shards); rerun to resume")
+    dr.add_argument("--num-prompts", type=int, default=1200)
+    dr.add_argument("--mix", default="math=0.4,code=0.4,chat=0.2", help="source weights")
+    dr.add_argument("--jsonl", default=None, help="your own prompts: ShareGPT or OpenAI-messages JSONL")
+    dr.add_argument("--temperature", type=float, default=0.7)
+    dr.add_argument("--top-p", type=float, default=0.8)
+    dr.add_argument("--top-k", type=int, default=20)
+    dr.add_argument("--max-new-tokens", type=int, default=256)
+    dr.add_argument("--batch-size", type=int, default=8)
+    dr.add_argument("--seed", type=int, default=0)
+
     m = sub.add_parser("models", help="list or install the offline targets")
     msub = m.add_subparsers(dest="models", required=True, parser_class=_Parser)
     msub.add_parser("list")
@@ -211,6 +226,36 @@ def cmd_bench(args) -> None:
         from specdecode.evaluation.baselines import run_baselines
 
         run_baselines(_load_target(args), args.draft_length, args.max_new_tokens, args.repeats, args.out)
+
+
+def _mix(text: str) -> dict[str, float]:
+    try:
+        return {k.strip(): float(v) for k, v in (part.split("=") for part in text.split(",") if part.strip())}
+    except ValueError as e:
+        raise SpecDecodeError(f"--mix expects source=weight pairs like math=0.4,code=0.4,chat=0.2, got '{text}'") from e
+
+
+def cmd_data(args) -> None:
+    from specdecode.sampling import SamplingParams
+    from specdecode.training.prompts import build_prompt_mix, check_disjoint
+    from specdecode.training.regenerate import RegenerationSettings, regenerate
+
+    SamplingParams(args.temperature, args.top_k, args.top_p)  # same validation as generation
+    settings = RegenerationSettings(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    conversations = build_prompt_mix(args.num_prompts, seed=args.seed, mix=_mix(args.mix), extra_jsonl=args.jsonl)
+    check_disjoint(conversations)  # refuses training prompts that overlap an evaluation set
+    report = regenerate(_load_target(args), conversations, args.out, settings)
+    _note(
+        f"{report.conversations} conversations in {args.out} ({report.skipped} were already done); "
+        f"{report.new_tokens} new tokens at {report.tokens_per_s:.1f} tok/s"
+    )
 
 
 def cmd_models(args) -> None:

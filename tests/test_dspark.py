@@ -49,7 +49,7 @@ def features_of(target, ids: torch.Tensor):
     target.reset()
     out = target.forward(ids, logits=False)
     target.reset()
-    return out
+    return TargetFeatures(out.layer_hidden.clone(), out.last_hidden.clone())  # clones: usable by autograd
 
 
 def test_anchors_and_mask():

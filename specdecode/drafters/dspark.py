@@ -149,7 +149,7 @@ class DSparkModel(nn.Module):
     def __init__(self, config: DSparkConfig, embedding: nn.Module, lm_head: nn.Module) -> None:
         super().__init__()
         self.config = c = config
-        self._frozen = (embedding, lm_head)  # a tuple, so they are neither trained nor saved
+        self._frozen = (embedding.requires_grad_(False), lm_head.requires_grad_(False))  # a tuple: not saved
         n_features = len(c.target_layer_ids) * c.hidden_size
         self.fc = nn.Linear(n_features, c.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)

@@ -55,7 +55,7 @@ class Target:
         kernel: str = "auto",
         source: str | None = None,
     ) -> None:
-        self.model = model.eval()
+        self.model = model.eval().requires_grad_(False)  # the target is never trained
         self.source = source  # what from_pretrained loaded: a folder or a hub id
         self.tokenizer = tokenizer
         self.name = name
@@ -179,6 +179,16 @@ class Target:
         if self.capture_layers:
             layer_hidden = torch.cat([self._captured[i][0] for i in self.capture_layers], dim=-1)
         return PassOutput(logits=self.lm_head(last) if logits else None, layer_hidden=layer_hidden, last_hidden=last)
+
+    @torch.inference_mode()
+    def features(self, input_ids: torch.Tensor) -> PassOutput:
+        """A cache-free pass over a whole sequence (T,) for drafter training; the decoding cache is left alone."""
+        self._captured.clear()
+        out = self.model.model(input_ids=input_ids.view(1, -1).to(self.device), use_cache=False)
+        layer_hidden = None
+        if self.capture_layers:
+            layer_hidden = torch.cat([self._captured[i][0] for i in self.capture_layers], dim=-1)
+        return PassOutput(logits=None, layer_hidden=layer_hidden, last_hidden=out.last_hidden_state[0])
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` cached positions; drop the KV of rejected drafts."""

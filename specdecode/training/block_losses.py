@@ -71,7 +71,8 @@ def training_losses(model: "DSparkModel", batch: "FeatureBatch", generator: torc
 
     logits, conf_logits, _ = model.sequential(h, model.lm_head(h), torch.gather(ids, 1, anchors), choose=labels)
     with torch.no_grad():
-        teacher_hidden = torch.gather(batch.last_hidden, 1, positions.flatten(1)[..., None].expand(-1, -1, h.shape[-1]))
+        teacher_pos = positions.clamp_max(t - 1).flatten(1)  # slots past the end are masked out by `valid`
+        teacher_hidden = torch.gather(batch.last_hidden, 1, teacher_pos[..., None].expand(-1, -1, h.shape[-1]))
         p_target = model.lm_head(teacher_hidden.view(b, n, g, -1)).float().softmax(-1)
     log_p = logits.float().log_softmax(-1)
     p_draft = log_p.exp()

@@ -49,6 +49,4 @@ def build_block_drafter(
         confidence_head=dspark,
         num_anchors=num_anchors,
     )
-    for p in target.model.parameters():
-        p.requires_grad_(False)
     return DSparkModel(config, target.model.get_input_embeddings(), target.model.get_output_embeddings())

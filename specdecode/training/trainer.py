@@ -1,0 +1,426 @@
+"""One training loop for every trained drafter (EAGLE-3, DFlash, DSpark), read top to bottom.
+
+A drafter is any `nn.Module` with `training_losses(batch, generator) -> dict`: "loss" is the scalar to
+minimise (a mean over the micro-batch's supervised positions), every other key a detached scalar metric.
+Parameters with requires_grad=False (embedding and LM head copied from the target) are not trained.
+
+Everything that decides what a step computes (which examples, which random draws) is a function of
+(seed, epoch, step, micro-batch), never of the process layout or of restarts: a step is a global batch of
+`grad_accum * world_size` micro-batches, micro-batch m goes to rank m % world_size and draws from a
+generator seeded by (seed, step, m). So one process with grad_accum=2 computes what two DDP processes
+with grad_accum=1 compute, and a run killed and resumed continues its loss curve as if never stopped.
+Drafters should take all randomness from that generator (a CPU one, so draws match on every device).
+"""
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from specdecode.errors import SpecDecodeError
+from specdecode.training.data import Example
+from specdecode.training.features import (
+    FeatureBatch,
+    OfflineFeatures,
+    OnlineFeatures,
+    fsync_path,
+    write_text_atomically,
+)
+
+KEEP_CHECKPOINTS = 2
+METRICS = "metrics.jsonl"
+# changing these between a run and its resume changes nothing that was computed
+RESUMABLE_CHANGES = {"save_every", "eval_every", "eval_examples", "log_every", "grad_accum"}
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0  # cosine decays to min_lr_ratio * lr
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 4
+    grad_accum: int = 1
+    epochs: int = 1
+    max_steps: int | None = None  # overrides epochs
+    seed: int = 42
+    save_every: int = 50  # steps
+    eval_every: int = 50
+    eval_examples: int = 32
+    log_every: int = 1
+
+
+def lr_at(step: int, total_steps: int, config: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up, then cosine to min_lr_ratio * lr."""
+    warmup = int(config.warmup_ratio * total_steps)
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    min_lr = config.min_lr_ratio * config.lr
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - min_lr)
+
+
+def derived_seed(*words: int) -> int:
+    """A well-mixed 63-bit seed from a tuple of integers (seed, step, micro-batch, ...)."""
+    return int(np.random.SeedSequence(list(words)).generate_state(1, np.uint64)[0] >> 1)
+
+
+def epoch_order(n_examples: int, seed: int, epoch: int) -> np.ndarray:
+    """The global permutation of the training examples in `epoch`, the same on every rank and every restart."""
+    return np.random.default_rng(derived_seed(seed, 0, epoch)).permutation(n_examples)
+
+
+class _Losses(nn.Module):
+    """DDP synchronises gradients through `forward`, so the drafter's `training_losses` is called through one."""
+
+    def __init__(self, drafter: nn.Module) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch: FeatureBatch, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        return self.drafter.training_losses(batch, generator)
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM only set a flag; the loop saves at the next step boundary and returns."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_StopRequest":
+        if threading.current_thread() is threading.main_thread():  # signals can only be caught there
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def train(
+    model: nn.Module,
+    train_examples: list[Example],
+    eval_examples: list[Example],
+    features: OnlineFeatures | OfflineFeatures,
+    config: TrainConfig,
+    out_dir: str | Path,
+) -> dict:
+    """Train `model` in place, resuming from `out_dir` if it holds a checkpoint; returns the final metrics.
+
+    Under `torchrun` (WORLD_SIZE > 1) every rank calls this with the same arguments.
+    """
+    # ---- processes: one, or one per rank under torchrun
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    ddp = world_size > 1
+    device = next(model.parameters()).device
+    own_group = ddp and not dist.is_initialized()
+    if own_group:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if ddp else 0
+    master = rank == 0
+    out_dir = Path(out_dir)
+
+    # ---- data: a step is one global batch of micro_batches micro-batches
+    micro_batches = config.grad_accum * world_size
+    global_batch = config.micro_batch_size * micro_batches
+    steps_per_epoch = len(train_examples) // global_batch
+    if steps_per_epoch == 0:
+        raise SpecDecodeError(
+            f"{len(train_examples)} training examples do not fill one global batch of {global_batch} "
+            f"(micro_batch_size {config.micro_batch_size} x grad_accum {config.grad_accum} x {world_size} processes)"
+        )
+    total_steps = config.max_steps or config.epochs * steps_per_epoch
+    eval_examples = eval_examples[: config.eval_examples]
+
+    # ---- AdamW on fp32 masters (a float32 parameter is its own master)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise SpecDecodeError("the drafter has no trainable parameters")
+    names = [name for name, _ in named]
+    params = [p for _, p in named]
+    masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in params]
+    optimizer = torch.optim.AdamW(masters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+
+    # ---- resume from `latest`, else start fresh
+    step, elapsed_before = 0, 0.0
+    checkpoint = load_checkpoint(out_dir)
+    if checkpoint is None:
+        torch.manual_seed(config.seed + rank)  # only for drafters that ignore the generator
+        np.random.seed(config.seed + rank)
+        random.seed(config.seed + rank)
+    else:
+        state = checkpoint["state"]
+        _check_resumable(state, config, world_size, len(train_examples))
+        with torch.no_grad():
+            for name, p, m in zip(names, params, masters, strict=True):
+                m.copy_(checkpoint["weights"][name])
+                p.copy_(m)
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        rng = checkpoint["rng"][rank] if len(checkpoint["rng"]) == world_size else checkpoint["rng"][0]
+        _set_rng_state(rng)
+        step, elapsed_before = state["step"], state["elapsed"]
+    if master:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(out_dir / METRICS, step)  # steps after the checkpoint are computed again
+    trainee = DistributedDataParallel(_Losses(model)) if ddp else _Losses(model)
+
+    # ---- the loop
+    metrics_file = open(out_dir / METRICS, "a") if master else None
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not master, dynamic_ncols=True)
+    start = time.perf_counter()
+    record: dict = {"step": step}
+    last_eval: dict | None = None
+    keys: list[str] = []
+    order_epoch, order = -1, np.empty(0, dtype=np.int64)
+    model.train()
+    with _StopRequest() as stop:
+        try:
+            while step < total_steps:
+                step_start = time.perf_counter()
+                epoch = step // steps_per_epoch
+                if epoch != order_epoch:
+                    order_epoch, order = epoch, epoch_order(len(train_examples), config.seed, epoch)
+                first = (step % steps_per_epoch) * global_batch
+                lr = lr_at(step, total_steps, config)
+
+                # forward/backward over this rank's micro-batches m = rank, rank + world_size, ...
+                sums = None
+                for a in range(config.grad_accum):
+                    m = a * world_size + rank
+                    chunk = order[first + m * config.micro_batch_size : first + (m + 1) * config.micro_batch_size]
+                    batch = features.batch([train_examples[i] for i in chunk]).to(device)
+                    generator = torch.Generator().manual_seed(derived_seed(config.seed, 1, step, m))
+                    last_micro_batch = a == config.grad_accum - 1
+                    with trainee.no_sync() if ddp and not last_micro_batch else nullcontext():
+                        out = trainee(batch, generator)
+                        (out["loss"] / config.grad_accum).backward()  # DDP averages over ranks on top
+                    keys = keys or sorted(out)
+                    values = torch.stack([out[k].detach().float() for k in keys] + [batch.loss_mask.sum().float()])
+                    sums = values if sums is None else sums + values
+
+                # one all-reduce: metric sums, supervised tokens and the stop flag of every rank
+                totals = torch.cat([sums, torch.tensor([float(stop.requested)], device=sums.device)])
+                if ddp:
+                    dist.all_reduce(totals)
+                totals = totals.cpu()
+                means = (totals[: len(keys)] / micro_batches).tolist()
+                stopping = totals[-1].item() > 0
+
+                # optimizer step on the fp32 masters: clip, schedule, AdamW, copy back
+                for p, m in zip(params, masters, strict=True):
+                    if m is not p:
+                        m.grad = None if p.grad is None else p.grad.float()
+                        p.grad = None
+                grad_norm = torch.nn.utils.clip_grad_norm_(masters, config.max_grad_norm)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    for p, m in zip(params, masters, strict=True):
+                        if m is not p:
+                            p.copy_(m)
+                step += 1
+
+                # log (rank 0)
+                seconds = time.perf_counter() - step_start
+                record = {
+                    "step": step,
+                    "epoch": round(step / steps_per_epoch, 4),
+                    "lr": lr,
+                    **dict(zip(keys, means, strict=True)),
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_s": totals[-2].item() / seconds,
+                    "elapsed": elapsed_before + time.perf_counter() - start,
+                }
+                if master:
+                    if step % config.log_every == 0 or step == total_steps:
+                        metrics_file.write(json.dumps(record) + "\n")
+                        metrics_file.flush()
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+                # held-out eval
+                if eval_examples and (step % config.eval_every == 0 or step == total_steps):
+                    last_eval = evaluate(model, eval_examples, features, config, keys, rank, world_size)
+                    last_eval = {"step": step, "eval": True, **last_eval}
+                    if master:
+                        metrics_file.write(json.dumps(last_eval) + "\n")
+                        metrics_file.flush()
+                        bar.write(f"step {step} eval: " + _summary(last_eval))
+
+                # checkpoint: periodic, final, or on SIGINT/SIGTERM
+                if step % config.save_every == 0 or step == total_steps or stopping:
+                    rng = [_rng_state()] * world_size
+                    if ddp:
+                        dist.all_gather_object(rng, _rng_state())
+                    if master:
+                        weights = {name: m.detach().cpu().contiguous() for name, m in zip(names, masters, strict=True)}
+                        state = {
+                            "step": step,
+                            "total_steps": total_steps,
+                            "world_size": world_size,
+                            "train_examples": len(train_examples),
+                            "elapsed": record["elapsed"],
+                            "config": asdict(config),
+                        }
+                        save_checkpoint(out_dir, step, weights, optimizer.state_dict(), rng, state)
+                if stopping:
+                    if master:
+                        bar.write(f"stop requested: saved step {step} in {out_dir}; run again to resume")
+                    break
+        finally:
+            bar.close()
+            if metrics_file:
+                metrics_file.close()
+            if own_group:
+                dist.destroy_process_group()
+    return {**record, "eval": last_eval, "interrupted": step < total_steps}
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    examples: list[Example],
+    features: OnlineFeatures | OfflineFeatures,
+    config: TrainConfig,
+    keys: list[str],
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict[str, float]:
+    """Mean metrics over fixed micro-batches of the held-out list; micro-batch j runs on rank j % world_size."""
+    model.eval()
+    device = next(model.parameters()).device
+    size = config.micro_batch_size
+    chunks = [examples[i : i + size] for i in range(0, len(examples), size)]
+    totals = torch.zeros(len(keys) + 1, device=device)  # metric sums and the micro-batch count
+    for j in range(rank, len(chunks), world_size):
+        generator = torch.Generator().manual_seed(derived_seed(config.seed, 2, j))
+        out = model.training_losses(features.batch(chunks[j]).to(device), generator)
+        totals += torch.stack([out[k].float() for k in keys] + [torch.ones((), device=device)])
+    if world_size > 1:
+        dist.all_reduce(totals)
+    totals = totals.cpu()
+    model.train()
+    return dict(zip(keys, (totals[:-1] / totals[-1]).tolist(), strict=True))
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(
+    out_dir: Path, step: int, weights: dict[str, torch.Tensor], optimizer: dict, rng: list[dict], state: dict
+) -> None:
+    """Write step-N atomically (temp dir, fsync, rename), point `latest` at it, keep the newest two."""
+    name = f"step-{step:08d}"
+    for stale in out_dir.glob(".tmp-step-*"):  # left by a crash mid-save
+        shutil.rmtree(stale)
+    tmp = out_dir / f".tmp-{name}"
+    tmp.mkdir()
+    save_file(weights, tmp / "weights.safetensors")
+    torch.save(optimizer, tmp / "optimizer.pt")
+    torch.save(rng, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    for path in tmp.iterdir():
+        fsync_path(path)
+    fsync_path(tmp)
+    final = out_dir / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    write_text_atomically(out_dir / "latest", name + "\n")
+    for old in sorted(out_dir.glob("step-*"))[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old)
+
+
+def load_checkpoint(out_dir: Path) -> dict | None:
+    """The checkpoint `latest` names, or None for a fresh run."""
+    latest = out_dir / "latest"
+    if not latest.exists():
+        return None
+    path = out_dir / latest.read_text().strip()
+    if not (path / "state.json").exists():
+        raise SpecDecodeError(f"{latest} names {path.name}, which is missing or incomplete; remove {latest}")
+    return {
+        "state": json.loads((path / "state.json").read_text()),
+        "weights": load_file(path / "weights.safetensors"),
+        "optimizer": torch.load(path / "optimizer.pt", weights_only=True),
+        "rng": torch.load(path / "rng.pt", weights_only=True),
+    }
+
+
+def _check_resumable(state: dict, config: TrainConfig, world_size: int, n_examples: int) -> None:
+    """A resumed run must compute what the first one would have; anything else needs a new out dir."""
+    saved, now = state["config"], json.loads(json.dumps(asdict(config)))
+    changed = [
+        f"{k}: {saved.get(k)} -> {v}" for k, v in now.items() if k not in RESUMABLE_CHANGES and saved.get(k) != v
+    ]
+    if saved["grad_accum"] * state["world_size"] != config.grad_accum * world_size:
+        changed.append(
+            f"micro-batches per step: {saved['grad_accum'] * state['world_size']} -> {config.grad_accum * world_size}"
+        )
+    if state["train_examples"] != n_examples:
+        changed.append(f"training examples: {state['train_examples']} -> {n_examples}")
+    if changed:
+        raise SpecDecodeError(f"cannot resume step {state['step']} with other settings ({'; '.join(changed)})")
+
+
+def _rng_state() -> dict:
+    keys = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "numpy": (keys[0], torch.from_numpy(keys[1].astype(np.int64)), *keys[2:]),
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    random.setstate(state["python"])
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines after `step` (and a torn last line), so a resumed curve has no duplicates."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):
+            continue
+    write_text_atomically(path, "".join(line + "\n" for line in kept))
+
+
+def _summary(metrics: dict) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
