@@ -93,6 +93,52 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--batch-size", type=int, default=8)
     dr.add_argument("--seed", type=int, default=0)
 
+    dc = dsub.add_parser("cache", help="write the offline target-feature cache for training")
+    _add_target_args(dc)
+    dc.add_argument("--data", required=True, help="a regenerated data folder")
+    dc.add_argument("--out", required=True, help="cache folder (resumable)")
+    dc.add_argument("--target-layers", default=None, help="comma-separated output-of-layer ids (default: DFlash's 5)")
+    dc.add_argument("--max-length", type=int, default=1024)
+
+    t = sub.add_parser("train", help="train a drafter on regenerated data (resumes from --out)")
+    t.add_argument("--drafter", required=True, choices=["dspark", "dflash"])
+    _add_target_args(t)
+    t.add_argument("--data", required=True, help="a regenerated data folder")
+    t.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, and drafter/ at the end")
+    t.add_argument("--features", default="online", help="online, or the folder of an offline feature cache")
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--max-length", type=int, default=1024)
+    t.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    t.add_argument("--block-size", type=int, default=7, help="draft tokens per round")
+    t.add_argument("--markov-rank", type=int, default=64)
+    t.add_argument("--markov-head", default="vanilla", choices=["vanilla", "gated", "rnn"])
+    t.add_argument("--anchors", type=int, default=32, help="blocks trained per sequence")
+    t.add_argument("--target-layers", default=None, help="comma-separated output-of-layer ids (default: DFlash's 5)")
+    t.add_argument("--save-every", type=int, default=50)
+    t.add_argument("--eval-every", type=int, default=50)
+    t.add_argument("--seed", type=int, default=42)
+
+    bt = bsub.add_parser("training", help="regeneration and trainer tokens/s")
+    _add_target_args(bt)
+    bt.add_argument("--prompts", type=int, default=32)
+    bt.add_argument("--out", default="docs/results")
+
+    e = sub.add_parser("eval", help="accepted length and speedup of drafters on benchmarks (resumable)")
+    _add_target_args(e)
+    e.add_argument("--drafter", action="append", required=True, help="drafter or checkpoint folder (repeatable)")
+    e.add_argument("--benchmarks", default="gsm8k,math500,aime25,humaneval,mt-bench", help="names or JSONL files")
+    e.add_argument("--limit", type=int, default=10, help="prompts per benchmark")
+    e.add_argument("--temperatures", default="0,1")
+    e.add_argument("--draft-length", type=int, default=7)
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", default="docs/results")
+    e.add_argument("--name", default="eval", help="results file name under --out")
+
     m = sub.add_parser("models", help="list or install the offline targets")
     msub = m.add_subparsers(dest="models", required=True, parser_class=_Parser)
     msub.add_parser("list")
@@ -113,12 +159,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _positions(text: str) -> list[int]:
+def _int_list(text: str, option: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
-        raise SpecDecodeError(f"expected comma-separated integers, got '{text}'") from e
-    if not values or min(values) < 1:
+        raise SpecDecodeError(f"{option} expects comma-separated integers, got '{text}'") from e
+    if not values:
+        raise SpecDecodeError(f"{option} expects at least one integer")
+    return values
+
+
+def _positions(text: str) -> list[int]:
+    values = _int_list(text, "positions")
+    if min(values) < 1:
         raise SpecDecodeError(f"positions must be integers >= 1, got '{text}'")
     return values
 
@@ -222,10 +275,14 @@ def cmd_bench(args) -> None:
         from specdecode.evaluation.premise import run_premise
 
         run_premise(args.target, _positions(args.positions), _positions(args.contexts), args.reps, args.out)
-    else:
+    elif args.bench == "baselines":
         from specdecode.evaluation.baselines import run_baselines
 
         run_baselines(_load_target(args), args.draft_length, args.max_new_tokens, args.repeats, args.out)
+    else:
+        from specdecode.evaluation.training_throughput import run_training_throughput
+
+        run_training_throughput(_load_target(args), args.out, prompts=args.prompts)
 
 
 def _mix(text: str) -> dict[str, float]:
@@ -235,7 +292,20 @@ def _mix(text: str) -> dict[str, float]:
         raise SpecDecodeError(f"--mix expects source=weight pairs like math=0.4,code=0.4,chat=0.2, got '{text}'") from e
 
 
+def _write_cache(args) -> None:
+    from specdecode.training.features import write_feature_cache
+    from specdecode.training.recipes import default_layer_ids
+    from specdecode.training.run import load_examples
+
+    target = _load_target(args)
+    layer_ids = _layer_ids(args.target_layers) or default_layer_ids(target.num_layers)
+    write_feature_cache(target, layer_ids, load_examples(target, args.data, args.max_length), args.out)
+
+
 def cmd_data(args) -> None:
+    if args.data == "cache":
+        _write_cache(args)
+        return
     from specdecode.sampling import SamplingParams
     from specdecode.training.prompts import build_prompt_mix, check_disjoint
     from specdecode.training.regenerate import RegenerationSettings, regenerate
@@ -258,6 +328,69 @@ def cmd_data(args) -> None:
     )
 
 
+def _layer_ids(text: str | None) -> list[int] | None:
+    return None if text is None else _int_list(text, "--target-layers")
+
+
+def cmd_train(args) -> None:
+    from specdecode.training.run import run_training
+    from specdecode.training.trainer import TrainConfig
+
+    config = TrainConfig(
+        lr=args.lr,
+        micro_batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        seed=args.seed,
+        save_every=args.save_every,
+        eval_every=args.eval_every,
+    )
+    architecture = {
+        "num_layers": args.layers,
+        "block_size": args.block_size,
+        "markov_rank": args.markov_rank,
+        "markov_head_type": args.markov_head,
+        "num_anchors": args.anchors,
+        "target_layer_ids": _layer_ids(args.target_layers),
+    }
+    path = run_training(
+        args.drafter,
+        _load_target(args),
+        args.data,
+        args.out,
+        config,
+        args.features,
+        args.max_length,
+        architecture=architecture,
+    )
+    _note(f'drafter written to {path}; try: specdecode generate "Hello" --drafter {path}')
+
+
+def cmd_eval(args) -> None:
+    from specdecode.evaluation.harness import run_eval
+    from specdecode.sampling import SamplingParams
+
+    try:
+        temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    except ValueError as e:
+        raise SpecDecodeError(f"--temperatures expects comma-separated numbers, got '{args.temperatures}'") from e
+    for t in temperatures:
+        SamplingParams(temperature=t)
+    run_eval(
+        _load_target(args),
+        args.drafter,
+        [b for b in args.benchmarks.split(",") if b],
+        args.out,
+        args.name,
+        args.limit,
+        temperatures,
+        args.draft_length,
+        args.max_new_tokens,
+        args.seed,
+    )
+
+
 def cmd_models(args) -> None:
     from specdecode.models import registry
 
@@ -274,6 +407,9 @@ _COMMANDS = {
     "demo": cmd_demo,
     "cost": cmd_cost,
     "bench": cmd_bench,
+    "data": cmd_data,
+    "train": cmd_train,
+    "eval": cmd_eval,
     "models": cmd_models,
 }
 

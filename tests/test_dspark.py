@@ -4,7 +4,6 @@ from collections import Counter
 
 import pytest
 import torch
-from specdecode.training.features import FeatureBatch
 
 from specdecode.drafters.base import Drafter, TargetFeatures
 from specdecode.drafters.checkpoint import load_drafter, save_drafter
@@ -13,6 +12,7 @@ from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 from specdecode.training.block_losses import block_attention_mask, sample_anchors, training_losses
+from specdecode.training.features import FeatureBatch
 from tests.conftest import tiny_target
 from tests.test_lossless import exact_two_token_distribution
 from tests.test_verify import chi_square_pvalue

@@ -36,7 +36,6 @@ class SpeculativeDecoder:
         self.target = target
         self.drafter = drafter
         self.draft_length = draft_length
-        target.set_capture_layers(drafter.target_layer_ids)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -65,6 +64,7 @@ class SpeculativeDecoder:
             raise SpecDecodeError(f"num_samples must be >= 1, got {num_samples}")
         generator = torch.Generator().manual_seed(seed)
         start = time.perf_counter()
+        self.target.set_capture_layers(self.drafter.target_layer_ids)  # decoders may share one target
         self.target.reset()
         prefill = self.target.forward(torch.tensor(prompt_ids[:-1]), logits=False) if len(prompt_ids) > 1 else None
         prefill_s = time.perf_counter() - start

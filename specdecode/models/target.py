@@ -122,11 +122,13 @@ class Target:
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of a user message wrapped in the model's chat template, or of raw text."""
         if chat and self.tokenizer.chat_template:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation, ending with the prompt for the assistant's next answer."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(ids)

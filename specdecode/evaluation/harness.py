@@ -1,0 +1,264 @@
+"""`specdecode eval`: accepted length and speed of drafters on real benchmarks, against normal decoding.
+
+For every prompt, every temperature and every drafter (normal decoding included) the completion is
+generated back to back, so drift on a shared machine hits all variants alike. Multi-turn prompts
+(MT-Bench) are answered turn by turn, each turn conditioned on the previous answer. Every finished
+(benchmark, prompt, temperature, drafter) cell is appended to `<out>/<name>.cells.jsonl`, so an
+interrupted run resumes where it stopped. Accepted length counts the target's own token per round, as
+the DSpark paper reports it; speedup is the median over prompts of the per-prompt tokens/s ratio to
+normal decoding measured in the same run.
+"""
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specdecode.drafters import Drafter, build_drafter
+from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.engine.stats import DecodeStats
+from specdecode.evaluation.benchmarks import load_benchmark, load_jsonl_benchmark
+from specdecode.evaluation.load import measure_quietly
+from specdecode.evaluation.results import write_results
+from specdecode.models.target import Target
+from specdecode.sampling import SamplingParams
+
+
+def drafter_label(spec: str) -> str:
+    """`none`/`ngram`/... or, for a checkpoint folder, its kind and folder name."""
+    path = Path(spec)
+    if path.is_dir() and (path / "config.json").is_file():
+        kind = json.loads((path / "config.json").read_text()).get("kind", "drafter")
+        return f"{kind}:{path.parent.name if path.name == 'drafter' else path.name}"
+    return spec
+
+
+def _items(benchmark: str, limit: int | None):
+    if Path(benchmark).is_file():
+        return load_jsonl_benchmark(benchmark)[:limit]
+    return load_benchmark(benchmark, limit)
+
+
+def _run_item(decoder: SpeculativeDecoder, turns: list[str], params, max_new_tokens: int, seed: int):
+    target = decoder.target
+    messages, stats, tokens = [], DecodeStats(), []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        completion = decoder.generate(target.encode_chat(messages), params, max_new_tokens, seed=seed)[0]
+        messages.append({"role": "assistant", "content": completion.text})
+        stats.merge(completion.stats)
+        tokens += completion.token_ids
+    return stats, tokens
+
+
+def run_eval(
+    target: Target,
+    drafters: list[str],
+    benchmarks: list[str],
+    out_dir: str,
+    name: str = "eval",
+    limit: int | None = 10,
+    temperatures: tuple[float, ...] = (0.0, 1.0),
+    draft_length: int = 7,
+    max_new_tokens: int = 256,
+    seed: int = 0,
+) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cells_path = out / f"{name}.cells.jsonl"
+    done = {}
+    if cells_path.exists():
+        for line in cells_path.read_text().splitlines():
+            try:
+                cell = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line from an interrupted run
+            done[(cell["benchmark"], cell["item"], cell["temperature"], cell["drafter"])] = cell
+    variants = {"none": SpeculativeDecoder(target, Drafter(), 0)}
+    for spec in drafters:
+        variants[drafter_label(spec)] = SpeculativeDecoder(target, build_drafter(spec, target), draft_length)
+    work = [(b, item) for b in benchmarks for item in _items(b, limit)]
+    with open(cells_path, "a") as sink:
+        for benchmark, item in tqdm(work, desc="eval", unit="prompt"):
+            for temperature in temperatures:
+                params = SamplingParams(temperature=temperature)
+                for label, decoder in variants.items():
+                    key = (benchmark, item.id, temperature, label)
+                    if key in done:
+                        continue
+                    (stats, tokens), cores = measure_quietly(
+                        lambda d=decoder, p=params, turns=item.turns: _run_item(d, turns, p, max_new_tokens, seed)
+                    )
+                    cell = {
+                        "benchmark": benchmark,
+                        "item": item.id,
+                        "temperature": temperature,
+                        "drafter": label,
+                        "tokens": tokens,
+                        "foreign_load_cores": round(cores, 3),
+                        **stats.to_dict(),
+                        "position_attempts": stats.position_attempts,
+                        "position_accepts": stats.position_accepts,
+                    }
+                    sink.write(json.dumps(cell) + "\n")
+                    sink.flush()
+                    done[key] = cell
+    runs = _aggregate(done, benchmarks, temperatures, list(variants), draft_length)
+    table = _table(runs)
+    plots = _plots(runs, out, name)
+    write_results(
+        name,
+        out_dir,
+        target.name,
+        runs,
+        table + "".join(f"\n![{p.stem}]({p.name})\n" for p in plots),
+        limit_per_benchmark=limit,
+        max_new_tokens=max_new_tokens,
+    )
+    print(table)
+    return {"runs": runs}
+
+
+def _aggregate(cells: dict, benchmarks, temperatures, labels, draft_length) -> list[dict]:
+    runs = []
+    for benchmark in benchmarks:
+        for temperature in temperatures:
+            normal = {
+                c["item"]: c
+                for c in cells.values()
+                if (c["benchmark"], c["temperature"], c["drafter"]) == (benchmark, temperature, "none")
+            }
+            for label in labels:
+                mine = [
+                    c
+                    for c in cells.values()
+                    if (c["benchmark"], c["temperature"], c["drafter"]) == (benchmark, temperature, label)
+                ]
+                if not mine:
+                    continue
+                stats = DecodeStats()
+                for c in mine:
+                    stats.merge(
+                        DecodeStats(
+                            accepted_lengths=c["accepted_lengths"],
+                            position_attempts=c["position_attempts"],
+                            position_accepts=c["position_accepts"],
+                            target_passes=c["target_passes"],
+                            new_tokens=c["new_tokens"],
+                            prefill_s=c["prefill_s"],
+                            draft_s=c["draft_s"],
+                            verify_s=c["verify_s"],
+                            wall_s=c["wall_s"],
+                        )
+                    )
+                ratios = [
+                    c["tokens_per_s"] / normal[c["item"]]["tokens_per_s"]
+                    for c in mine
+                    if c["item"] in normal and normal[c["item"]]["tokens_per_s"] > 0
+                ]
+                per_prompt = [statistics.fmean(c["accepted_lengths"]) for c in mine if c["accepted_lengths"]]
+                half_width = (
+                    1.96 * statistics.stdev(per_prompt) / math.sqrt(len(per_prompt)) if len(per_prompt) > 1 else 0.0
+                )
+                histogram = [stats.accepted_lengths.count(n) for n in range(1, max(stats.accepted_lengths) + 1)]
+                run = {
+                    "drafter": label.split(":")[0],
+                    "checkpoint": label.split(":", 1)[1] if ":" in label else None,
+                    "benchmark": benchmark,
+                    "temperature": temperature,
+                    "draft_length": 0 if label == "none" else draft_length,
+                    "tree": None,
+                    "prompts": len(mine),
+                    "new_tokens": stats.new_tokens,
+                    "mean_accepted_length": round(stats.mean_accepted_length, 3),
+                    "accepted_length_ci95": round(half_width, 3),
+                    "accepted_length_histogram": histogram,
+                    "per_position_acceptance": [round(a, 3) for a in stats.per_position_acceptance],
+                    "target_passes": stats.target_passes,
+                    "draft_s": round(stats.draft_s, 2),
+                    "verify_s": round(stats.verify_s, 2),
+                    "tokens_per_s": round(stats.tokens_per_s, 2),
+                    "speedup": round(statistics.median(ratios), 3) if ratios else None,
+                }
+                if temperature == 0:
+                    run["identical_to_normal_at_t0"] = all(
+                        c["tokens"] == normal[c["item"]]["tokens"] for c in mine if c["item"] in normal
+                    )
+                runs.append(run)
+    return runs
+
+
+def _table(runs: list[dict]) -> str:
+    lines = [
+        "Accepted length per round counts the target's own token (normal decoding = 1.00); speedup is the median "
+        "per-prompt tokens/s ratio to normal decoding in the same run.\n",
+        "| benchmark | T | drafter | prompts | accepted length (±95%) | tokens/s | speedup | identical at T=0 |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for r in runs:
+        label = r["drafter"] + (f" ({r['checkpoint']})" if r["checkpoint"] else "")
+        same = {True: "yes", False: "NO"}.get(r.get("identical_to_normal_at_t0"), "")
+        speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        lines.append(
+            f"| {r['benchmark']} | {r['temperature']:g} | {label} | {r['prompts']} | "
+            f"{r['mean_accepted_length']:.2f} ± {r['accepted_length_ci95']:.2f} | {r['tokens_per_s']:.1f} | "
+            f"{speedup} | {same} |"
+        )
+    return "\n".join(lines)
+
+
+def _plots(runs: list[dict], out: Path, name: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    spec = [r for r in runs if r["drafter"] != "none"]
+    temperatures = sorted({r["temperature"] for r in spec})
+    if not spec:
+        return paths
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(5 * len(temperatures), 3.6), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures, strict=True):
+        for r in (r for r in spec if r["temperature"] == temperature):
+            curve = r["per_position_acceptance"]
+            label = f"{r['drafter']} {r['benchmark']}"
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=label)
+        ax.set_title(f"per-position acceptance, T={temperature:g}")
+        ax.set_xlabel("draft position")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / f"{name}_acceptance.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    benchmarks = sorted({r["benchmark"] for r in spec})
+    labels = sorted({(r["drafter"], r["temperature"]) for r in spec})
+    fig, ax = plt.subplots(figsize=(1.6 * len(benchmarks) + 3, 3.6))
+    width = 0.8 / len(labels)
+    for i, (drafter, temperature) in enumerate(labels):
+        values = [
+            next(
+                (
+                    r["mean_accepted_length"]
+                    for r in spec
+                    if (r["benchmark"], r["drafter"], r["temperature"]) == (b, drafter, temperature)
+                ),
+                0,
+            )
+            for b in benchmarks
+        ]
+        ax.bar([x + i * width for x in range(len(benchmarks))], values, width, label=f"{drafter} T={temperature:g}")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(benchmarks))], [Path(b).stem for b in benchmarks])
+    ax.set_ylabel("mean accepted length")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / f"{name}_accepted_length.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,88 @@
+"""`specdecode bench training`: regeneration tokens/s (batched vs one at a time) and trainer tokens/s.
+
+Regeneration: the same single-turn prompts answered at batch size 1 and at larger batches, in fresh
+folders, alternating. Training: a few steps of the real trainer on those answers, with target features
+computed online and read from an offline cache; tokens/s counts supervised tokens (what the drafter learns
+from), as the trainer logs them.
+"""
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from specdecode.evaluation.load import measure_quietly
+from specdecode.evaluation.results import write_results
+from specdecode.models.target import Target
+from specdecode.training.features import OfflineFeatures, OnlineFeatures, write_feature_cache
+from specdecode.training.prompts import build_prompt_mix
+from specdecode.training.recipes import build_block_drafter
+from specdecode.training.regenerate import RegenerationSettings, regenerate
+from specdecode.training.run import load_examples
+from specdecode.training.trainer import TrainConfig, train
+
+
+def run_training_throughput(
+    target: Target, out_dir: str, prompts: int = 32, max_new_tokens: int = 96, batch_sizes=(1, 8, 16), steps: int = 6
+) -> dict:
+    conversations = build_prompt_mix(prompts, seed=123, mix={"math": 0.5, "code": 0.5})
+    runs, foreign = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch_size in batch_sizes:
+            settings = RegenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, seed=1)
+            folder = Path(tmp) / f"regen-b{batch_size}"
+            report, cores = measure_quietly(lambda s=settings, f=folder: regenerate(target, conversations, str(f), s))
+            foreign.append(cores)
+            runs.append(
+                {
+                    "stage": "regenerate",
+                    "batch_size": batch_size,
+                    "conversations": prompts,
+                    "new_tokens": report.new_tokens,
+                    "seconds": round(report.seconds, 2),
+                    "tokens_per_s": round(report.tokens_per_s, 2),
+                }
+            )
+        data = Path(tmp) / f"regen-b{batch_sizes[-1]}"
+        examples = load_examples(target, str(data), max_length=1024)
+        model = build_block_drafter("dspark", target)
+        layers = model.config.target_layer_ids
+        cache = Path(tmp) / "cache"
+        write_feature_cache(target, layers, examples, cache)
+        for mode, features in (("online", OnlineFeatures(target, layers)), ("offline", OfflineFeatures(cache, layers))):
+            model = build_block_drafter("dspark", target)
+            config = TrainConfig(max_steps=steps, micro_batch_size=4, save_every=10**9, eval_every=10**9)
+            run_dir = Path(tmp) / f"train-{mode}"
+            _, cores = measure_quietly(
+                lambda m=model, f=features, d=run_dir, c=config: train(m, examples, examples[:4], f, c, d)
+            )
+            foreign.append(cores)
+            lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            speeds = [x["tokens_per_s"] for x in lines if not x.get("eval") and x["step"] > 1]  # step 1 warms up
+            runs.append(
+                {
+                    "stage": "train",
+                    "drafter": "dspark",
+                    "features": mode,
+                    "micro_batch_size": 4,
+                    "steps": steps,
+                    "tokens_per_s": round(statistics.median(speeds), 2),
+                }
+            )
+    table = _table(runs)
+    write_results(
+        "training_throughput", out_dir, target.name, runs, table, foreign_load_cores_max=round(max(foreign), 3)
+    )
+    print(table)
+    return {"runs": runs}
+
+
+def _table(runs: list[dict]) -> str:
+    lines = ["| stage | setting | tokens/s |", "|---|---|---:|"]
+    for r in runs:
+        setting = f"batch {r['batch_size']}" if r["stage"] == "regenerate" else f"{r['features']} features"
+        lines.append(f"| {r['stage']} | {setting} | {r['tokens_per_s']:.1f} |")
+    return (
+        "Regeneration: new tokens per second. Training: supervised tokens per second of the DSpark trainer "
+        "(median over steps after the first).\n\n" + "\n".join(lines)
+    )

@@ -1,0 +1,81 @@
+"""`specdecode train`: regenerated conversations -> examples -> features -> trainer -> a drafter folder.
+
+The held-out split is fixed by a hash of each conversation id, so it never moves between runs or resumes.
+The finished drafter is written to `<out>/drafter` (config.json + model.safetensors), ready for
+`specdecode generate --drafter <out>/drafter`.
+"""
+
+import hashlib
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from specdecode.drafters.checkpoint import save_drafter
+from specdecode.errors import SpecDecodeError
+from specdecode.models.target import Target
+from specdecode.training.data import Example, tokenize_conversation
+from specdecode.training.features import OfflineFeatures, OnlineFeatures
+from specdecode.training.prompts import Conversation, check_disjoint
+from specdecode.training.recipes import build_block_drafter
+from specdecode.training.regenerate import read_records
+from specdecode.training.trainer import TrainConfig, train
+
+MIN_SUPERVISED_TOKENS = 8
+
+
+def load_examples(target: Target, data_dir: str, max_length: int) -> list[Example]:
+    """Tokenize regenerated conversations; refuse data whose prompts overlap an evaluation set."""
+    records = read_records(data_dir)
+    if not records:
+        raise SpecDecodeError(f"no regenerated conversations in {data_dir}; run `specdecode data regenerate` first")
+    conversations = [
+        Conversation(r["id"], r.get("source", "?"), [m["content"] for m in r["messages"] if m["role"] == "user"])
+        for r in records
+    ]
+    check_disjoint(conversations)
+    examples = [tokenize_conversation(target.tokenizer, r["id"], r["messages"], max_length) for r in records]
+    return [e for e in examples if int(e.loss_mask.sum()) >= MIN_SUPERVISED_TOKENS]
+
+
+def is_held_out(example_id: str, fraction: float) -> bool:
+    return int(hashlib.sha256(example_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+
+
+def run_training(
+    kind: str,
+    target: Target,
+    data_dir: str,
+    out_dir: str,
+    config: TrainConfig,
+    features: str = "online",
+    max_length: int = 1024,
+    held_out: float = 0.03,
+    architecture: dict | None = None,
+) -> Path:
+    model = build_block_drafter(kind, target, **(architecture or {}))
+    layer_ids = model.config.target_layer_ids
+    if features == "online":
+        examples = load_examples(target, data_dir, max_length)
+        source = OnlineFeatures(target, layer_ids)
+    else:
+        source = OfflineFeatures(features, layer_ids)
+        examples = source.examples()
+    train_set = [e for e in examples if not is_held_out(e.id, held_out)]
+    eval_set = [e for e in examples if is_held_out(e.id, held_out)]
+    if not train_set or not eval_set:
+        raise SpecDecodeError(f"{len(examples)} usable conversations are too few to split off a held-out set")
+    final = train(model, train_set, eval_set, source, config, out_dir)
+    if final.get("interrupted"):
+        raise SpecDecodeError(f"training was interrupted; a checkpoint is in {out_dir}: run the same command to resume")
+    if int(os.environ.get("RANK", "0")) != 0:
+        return Path(out_dir) / "drafter"
+    recipe = {
+        "training": asdict(config),
+        "data": str(data_dir),
+        "features": features,
+        "train_conversations": len(train_set),
+        "held_out_conversations": len(eval_set),
+        "max_length": max_length,
+        "final_metrics": {k: v for k, v in final.items() if isinstance(v, (int, float))},
+    }
+    return save_drafter(Path(out_dir) / "drafter", kind, model, model.config.to_dict(), target, recipe)
