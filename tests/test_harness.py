@@ -1,0 +1,51 @@
+"""The evaluation harness: results in the shared shape, identical outputs at T=0, and resume."""
+
+import json
+
+from specdecode.evaluation.harness import run_eval
+from tests.conftest import tiny_target
+
+
+def test_eval_writes_results_and_resumes(tmp_path):
+    target = tiny_target(vocab_size=24)
+    bench = tmp_path / "prompts.jsonl"
+    bench.write_text(
+        json.dumps({"id": "a", "turns": ["t3 t4 t5 t3 t4 t5 t3 t4"]})
+        + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "t6 t7 t6 t7 t6"}]})
+        + "\n"
+    )
+    target.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    out = tmp_path / "results"
+    run_eval(
+        target,
+        ["ngram"],
+        [str(bench)],
+        str(out),
+        name="t",
+        limit=None,
+        temperatures=(0.0, 1.0),
+        draft_length=3,
+        max_new_tokens=12,
+    )
+    doc = json.loads((out / "t.json").read_text())
+    assert doc["name"] == "t" and doc["command"] and doc["machine"]["cores"]
+    rows = {(r["drafter"], r["temperature"]): r for r in doc["runs"]}
+    assert set(rows) == {("none", 0.0), ("ngram", 0.0), ("none", 1.0), ("ngram", 1.0)}
+    assert rows[("ngram", 0.0)]["identical_to_normal_at_t0"] is True
+    assert rows[("none", 0.0)]["mean_accepted_length"] == 1.0
+    assert rows[("ngram", 0.0)]["mean_accepted_length"] > 1.0  # the repeating prompts give lookups
+    cells = (out / "t.cells.jsonl").read_text()
+    run_eval(
+        target,
+        ["ngram"],
+        [str(bench)],
+        str(out),
+        name="t",
+        limit=None,
+        temperatures=(0.0, 1.0),
+        draft_length=3,
+        max_new_tokens=12,
+    )
+    assert (out / "t.cells.jsonl").read_text() == cells  # nothing was generated twice
+    assert (out / "t_acceptance.png").stat().st_size > 0
