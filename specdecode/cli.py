@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     bb.add_argument("--out", default="docs/results")
 
     data = sub.add_parser("data", help="training data: the target regenerates the answers")
-    dsub = data.add_subparsers(dest="data", required=True, parser_class=_Parser)
+    dsub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
     dr = dsub.add_parser("regenerate", help="build a prompt mix and let the target answer it (resumable)")
     _add_target_args(dr)
     dr.add_argument("--out", required=True, help="output folder (JSONL shards); rerun to resume")
@@ -303,7 +303,7 @@ def _write_cache(args) -> None:
 
 
 def cmd_data(args) -> None:
-    if args.data == "cache":
+    if args.data_command == "cache":
         _write_cache(args)
         return
     from specdecode.sampling import SamplingParams
