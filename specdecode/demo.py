@@ -4,19 +4,12 @@ import sys
 
 from specdecode.drafters import Drafter, build_drafter
 from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.evaluation.baselines import PROMPT_GROUPS
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
-DEMO_PROMPTS = (
-    "Repeat this Python function exactly, but rename it to `total_price`:\n\n"
-    "def compute_total(items, tax_rate):\n"
-    "    subtotal = sum(item.price * item.quantity for item in items)\n"
-    "    tax = subtotal * tax_rate\n"
-    "    return round(subtotal + tax, 2)\n",
-    "Explain in a few sentences what a hash table is and why lookups are fast.",
-    "A shop sells pencils at 3 dollars each. Tom buys 7 pencils and pays with a 50 dollar bill. "
-    "How much change does he get? Think step by step.",
-)
+# two answers that copy their input (where drafting pays off most) and one fresh answer (where it pays least)
+DEMO_PROMPTS = (*PROMPT_GROUPS["repeat"][:2], PROMPT_GROUPS["chat"][1])
 
 
 def best_available_drafter(target: Target) -> str:
