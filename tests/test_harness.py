@@ -1,6 +1,7 @@
 """The evaluation harness: results in the shared shape, identical outputs at T=0, and resume."""
 
 import json
+from functools import partial
 
 from specdecode.evaluation.harness import run_eval
 from tests.conftest import tiny_target
@@ -17,7 +18,8 @@ def test_eval_writes_results_and_resumes(tmp_path):
     )
     target.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     out = tmp_path / "results"
-    run_eval(
+    evaluate = partial(
+        run_eval,
         target,
         ["ngram"],
         [str(bench)],
@@ -28,6 +30,7 @@ def test_eval_writes_results_and_resumes(tmp_path):
         draft_length=3,
         max_new_tokens=12,
     )
+    evaluate()
     doc = json.loads((out / "t.json").read_text())
     assert doc["name"] == "t" and doc["command"] and doc["machine"]["cores"]
     rows = {(r["drafter"], r["temperature"]): r for r in doc["runs"]}
@@ -36,16 +39,6 @@ def test_eval_writes_results_and_resumes(tmp_path):
     assert rows[("none", 0.0)]["mean_accepted_length"] == 1.0
     assert rows[("ngram", 0.0)]["mean_accepted_length"] > 1.0  # the repeating prompts give lookups
     cells = (out / "t.cells.jsonl").read_text()
-    run_eval(
-        target,
-        ["ngram"],
-        [str(bench)],
-        str(out),
-        name="t",
-        limit=None,
-        temperatures=(0.0, 1.0),
-        draft_length=3,
-        max_new_tokens=12,
-    )
+    evaluate()
     assert (out / "t.cells.jsonl").read_text() == cells  # nothing was generated twice
     assert (out / "t_acceptance.png").stat().st_size > 0
