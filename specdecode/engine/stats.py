@@ -21,23 +21,22 @@ class DecodeStats:
         self.accepted_lengths.append(accepted + 1)
         self.target_passes += 1
         reached = min(accepted + 1, proposed)
-        for j in range(reached):
-            if j == len(self.position_attempts):
-                self.position_attempts.append(0)
-                self.position_accepts.append(0)
-            self.position_attempts[j] += 1
-            self.position_accepts[j] += j < accepted
+        self._add_positions([1] * reached, [int(j < accepted) for j in range(reached)])
 
     def merge(self, other: "DecodeStats") -> None:
         self.accepted_lengths += other.accepted_lengths
-        for j, (tries, hits) in enumerate(zip(other.position_attempts, other.position_accepts, strict=True)):
-            if j == len(self.position_attempts):
-                self.position_attempts.append(0)
-                self.position_accepts.append(0)
-            self.position_attempts[j] += tries
-            self.position_accepts[j] += hits
+        self._add_positions(other.position_attempts, other.position_accepts)
         for name in ("target_passes", "new_tokens", "prefill_s", "draft_s", "verify_s", "wall_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def _add_positions(self, attempts: list[int], accepts: list[int]) -> None:
+        missing = len(attempts) - len(self.position_attempts)
+        if missing > 0:
+            self.position_attempts += [0] * missing
+            self.position_accepts += [0] * missing
+        for j, (tries, hits) in enumerate(zip(attempts, accepts, strict=True)):
+            self.position_attempts[j] += tries
+            self.position_accepts[j] += hits
 
     @property
     def mean_accepted_length(self) -> float:
