@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
@@ -39,6 +40,40 @@ class TargetFeatures:
 EMPTY_PROPOSAL = Proposal(tokens=torch.empty(0, dtype=torch.long))
 
 
+@dataclass
+class TreeSettings:
+    """EAGLE-2/3 dynamic tree: `steps` drafting steps, `branches` children expanded per step, and the
+    best `num_tokens` nodes (by cumulative draft probability) verified. SGLang's Llama defaults."""
+
+    steps: int = 5
+    branches: int = 4
+    num_tokens: int = 8
+
+
+@dataclass
+class TreeProposal:
+    """Draft tokens arranged as a tree rooted at the last committed token.
+
+    `parents[i]` is the index of node i's parent in `tokens`, or -1 for a child of the root; parents
+    precede their children. Proposals are deterministic (q one-hot per branch), so verification samples
+    the target at each node and follows the child that matches.
+    """
+
+    tokens: torch.Tensor  # (N,) long
+    parents: torch.Tensor  # (N,) long
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.numel())
+
+    def depths(self) -> torch.Tensor:
+        """Depth of each node: 1 for children of the root."""
+        depth = torch.zeros(self.length, dtype=torch.long)
+        for i, parent in enumerate(self.parents.tolist()):
+            depth[i] = 1 if parent < 0 else depth[parent] + 1
+        return depth
+
+
 class Drafter:
     """Base class: `none` (normal decoding) is this class itself, proposing nothing."""
 
@@ -60,6 +95,10 @@ class Drafter:
     def propose(self, ids: list[int], max_tokens: int) -> Proposal:
         """Draft up to `max_tokens` tokens that continue the committed sequence `ids`."""
         return EMPTY_PROPOSAL
+
+    def propose_tree(self, ids: list[int], settings: TreeSettings, max_depth: int) -> TreeProposal:
+        """Draft a tree continuing `ids`, no deeper than `max_depth`; only drafters that can branch do this."""
+        raise SpecDecodeError(f"the {self.name} drafter cannot draft trees; use chain drafting")
 
     def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
         """`ids` is the committed sequence after a round in which `num_accepted` drafts survived."""

@@ -1,0 +1,118 @@
+"""SPS(B): the verify pass's steps per second at B tokens, profiled on the machine the engine runs on.
+
+The scheduler needs the real cost curve, not a model of it: on this CPU a pass over 4 positions costs
+~1.5x a one-token step and the curve has kernel-switch steps (MKL below 4 rows, oneDNN above). The
+table is measured once per (target, kernel, machine, batch rows), takes a few seconds, and is cached
+under `$XDG_CACHE_HOME/specdecode/sps/`. Between profiled sizes the step time is interpolated linearly;
+beyond the last size it is extrapolated with the last segment's slope.
+"""
+
+import bisect
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.evaluation.results import machine_info
+from specdecode.paths import cache_dir
+
+if TYPE_CHECKING:
+    from specdecode.models.target import Target
+
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass
+class StepCostTable:
+    """Measured seconds of one verify pass at each profiled token count, and what they were measured on."""
+
+    tokens: list[int]
+    seconds: list[float]
+    key: dict
+
+    def step_seconds(self, num_tokens: int) -> float:
+        if num_tokens < 1:
+            raise SpecDecodeError(f"a verify pass holds at least one token, not {num_tokens}")
+        i = bisect.bisect_left(self.tokens, num_tokens)
+        if i < len(self.tokens) and self.tokens[i] == num_tokens:
+            return self.seconds[i]
+        lo = min(max(i - 1, 0), len(self.tokens) - 2)  # the segment to interpolate or extrapolate along
+        (t0, t1), (s0, s1) = self.tokens[lo : lo + 2], self.seconds[lo : lo + 2]
+        return max(s0 + (s1 - s0) * (num_tokens - t0) / (t1 - t0), min(self.seconds))
+
+    def steps_per_s(self, num_tokens: int) -> float:
+        return 1.0 / self.step_seconds(num_tokens)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def profile_steps(
+    run_pass: Callable[[int], None], sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 5
+) -> list[float]:
+    """Median seconds of `run_pass(B)` at each size, sizes interleaved so drift hits all of them alike."""
+    if len(sizes) < 2 or list(sizes) != sorted(set(sizes)):
+        raise SpecDecodeError(f"profile sizes must be at least two increasing token counts, got {sizes}")
+    run_pass(sizes[-1])  # warm-up: allocator and kernel caches
+    samples: dict[int, list[float]] = {b: [] for b in sizes}
+    for _ in range(reps):
+        for b in sizes:
+            start = time.perf_counter()
+            run_pass(b)
+            samples[b].append(time.perf_counter() - start)
+    return [statistics.median(samples[b]) for b in sizes]
+
+
+def table_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_dir("sps") / f"{key.get('target', 'target')}-{digest}.json"
+
+
+def load_or_profile(
+    key: dict,
+    run_pass: Callable[[int], None],
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    reps: int = 5,
+    refresh: bool = False,
+) -> StepCostTable:
+    """The cached table for `key` (plus this machine's identity), profiling it first when missing."""
+    key = {**key, "machine": machine_info(), "sizes": list(sizes)}
+    path = table_path(key)
+    if path.exists() and not refresh:
+        try:
+            return StepCostTable(**json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError):
+            pass  # a damaged cache entry is simply measured again
+    table = StepCostTable(tokens=list(sizes), seconds=profile_steps(run_pass, sizes, reps), key=key)
+    path.write_text(json.dumps(table.to_dict(), indent=1) + "\n")
+    return table
+
+
+def profile_target(
+    target: "Target", context: int = 256, sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 5, refresh: bool = False
+) -> StepCostTable:
+    """SPS(B) of one request's verify pass: B new tokens after `context` cached ones (the cache is reset)."""
+    prefilled = False
+
+    def run_pass(num_tokens: int) -> None:
+        nonlocal prefilled
+        if not prefilled:
+            target.reset()
+            target.forward(torch.zeros(context, dtype=torch.long), logits=False)
+            prefilled = True
+        target.forward(torch.zeros(num_tokens, dtype=torch.long))
+        target.rollback(context)
+
+    dtype = str(next(target.model.parameters()).dtype)
+    key = {"target": target.name, "kernel": target.kernel, "dtype": dtype, "context": context, "rows": 1}
+    table = load_or_profile(key, run_pass, sizes, reps, refresh)
+    if prefilled:
+        target.reset()
+    return table

@@ -1,0 +1,130 @@
+"""Algorithm 1 (prefix scheduler), its static modes, and the SPS(B) cost table."""
+
+import pytest
+import torch
+
+from specdecode.engine.scheduler import prefix_survival, schedule, schedule_prefix, schedule_threshold
+from specdecode.engine.sps import StepCostTable, load_or_profile, profile_steps
+from specdecode.errors import SpecDecodeError
+from specdecode.verify import verify_chain
+
+
+def table(values: dict[int, float]):
+    return lambda b: values[b]
+
+
+def test_prefix_survival_is_the_cumulative_product():
+    assert prefix_survival(torch.tensor([0.9, 0.5, 0.2])).tolist() == pytest.approx([0.9, 0.45, 0.09])
+
+
+def test_flat_cost_verifies_every_useful_draft():
+    # a memory-bound pass: SPS does not fall with B, so every pair with a > 0 raises tau * SPS
+    survivals = [torch.tensor([0.9, 0.5]), torch.tensor([0.3, 0.1, 0.05])]
+    assert schedule_prefix(survivals, lambda b: 10.0) == [2, 3]
+
+
+def test_admission_follows_decreasing_survival_across_requests():
+    # SPS falls 10% per extra token: only pairs with a > ~0.1 * tau pay for themselves
+    sps = table({b: 1.0 / (1 + 0.1 * (b - 2)) for b in range(2, 10)})
+    survivals = [torch.tensor([0.95, 0.9, 0.2]), torch.tensor([0.6, 0.1, 0.01])]
+    assert schedule_prefix(survivals, sps) == [2, 1]
+
+
+def test_expensive_pass_verifies_nothing():
+    assert schedule_prefix([torch.tensor([0.8, 0.6])], table({1: 1.0, 2: 0.5, 3: 0.45})) == [0]
+
+
+def appendix_a_first_token_distribution(early_stop: bool, trials: int = 40_000) -> torch.Tensor:
+    """The paper's Appendix A: one request, gamma = 2, a_1 = 0.8, SPS(1, 2, 3) = (1.0, 0.5, 0.45),
+    target p = (0.7, 0.3), draft q = (0.5, 0.5). The second confidence depends on the sampled x_1 (as
+    through the Markov head): high after token 0, low after token 1. Returns the frequencies of the
+    first committed token."""
+    p, q = torch.tensor([0.7, 0.3]), torch.tensor([0.5, 0.5])
+    second_confidence = {0: 0.9, 1: 0.1}
+    sps = table({1: 1.0, 2: 0.5, 3: 0.45})
+    generator = torch.Generator().manual_seed(7)
+    counts = torch.zeros(2)
+    for _ in range(trials):
+        x1 = int(torch.multinomial(q, 1, generator=generator))
+        confidences = torch.tensor([0.8, second_confidence[x1]])
+        (length,) = schedule_prefix([prefix_survival(confidences)], sps, early_stop=early_stop)
+        drafts = torch.tensor([x1, 0])[:length]
+        target_probs = torch.stack([p, p, p])[: length + 1]
+        result = verify_chain(target_probs, drafts, torch.stack([q, q])[:length], generator)
+        counts[result.tokens[0]] += 1
+    return counts / trials
+
+
+def test_appendix_a_early_stop_keeps_the_target_distribution():
+    freq = appendix_a_first_token_distribution(early_stop=True)
+    assert freq[0].item() == pytest.approx(0.7, abs=0.01)
+
+
+def test_appendix_a_global_search_shifts_the_distribution():
+    # theta(0) = 1.0, theta(1) = 1.8 * 0.5 = 0.9 (no gain: the early stop ends here), theta(2) = (1.8 + a_2) * 0.45
+    # exceeds 1.0 only when x_1 = 0 (a_2 = 0.72): x_1 = 0 is then always verified and accepted -> (0.85, 0.15)
+    freq = appendix_a_first_token_distribution(early_stop=False)
+    assert freq[0].item() == pytest.approx(0.85, abs=0.01)
+
+
+def test_threshold_truncates_at_first_low_confidence():
+    assert schedule_threshold([torch.tensor([0.9, 0.4, 0.9]), torch.tensor([0.8, 0.7])], 0.5) == [1, 2]
+
+
+def test_schedule_modes_and_errors():
+    conf = [torch.tensor([0.9, 0.8, 0.1])]
+    assert schedule("fixed", [None], [7], fixed_length=3) == [3]
+    assert schedule("fixed", [None], [2], fixed_length=3) == [2]
+    assert schedule("threshold", conf, [3], threshold=0.5) == [2]
+    assert schedule("prefix", conf, [3], steps_per_s=lambda b: 1.0) == [3]
+    with pytest.raises(SpecDecodeError, match="confidence head"):
+        schedule("prefix", [None], [7], steps_per_s=lambda b: 1.0)
+    with pytest.raises(SpecDecodeError, match="SPS"):
+        schedule("prefix", conf, [3])
+    with pytest.raises(SpecDecodeError, match="unknown scheduler"):
+        schedule("global", conf, [3])
+
+
+def test_cost_table_interpolates_and_extrapolates():
+    t = StepCostTable(tokens=[1, 2, 4], seconds=[0.010, 0.012, 0.020], key={})
+    assert t.step_seconds(2) == pytest.approx(0.012)
+    assert t.step_seconds(3) == pytest.approx(0.016)
+    assert t.step_seconds(6) == pytest.approx(0.028)
+    assert t.steps_per_s(1) == pytest.approx(100.0)
+    with pytest.raises(SpecDecodeError):
+        t.step_seconds(0)
+
+
+def test_profile_is_cached_per_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def run_pass(b: int) -> None:
+        calls.append(b)
+
+    first = load_or_profile({"target": "fake"}, run_pass, sizes=(1, 2), reps=2)
+    assert len(calls) == 5 and first.tokens == [1, 2]  # warm-up + 2 reps x 2 sizes
+    again = load_or_profile({"target": "fake"}, run_pass, sizes=(1, 2), reps=2)
+    assert len(calls) == 5 and again.seconds == first.seconds
+    with pytest.raises(SpecDecodeError):
+        profile_steps(run_pass, sizes=(2, 1))
+
+
+def test_replay_counts_tokens_and_costs():
+    from specdecode.evaluation.scheduler_bench import replay
+    from specdecode.training.calibration import Rounds
+
+    rounds = Rounds(torch.zeros(2, 3, dtype=torch.float64), torch.tensor([0.0, 3.0]))
+    confidences = torch.tensor([[0.9, 0.9, 0.9], [0.9, 0.9, 0.9]], dtype=torch.float64)
+    costs = StepCostTable(tokens=[1, 16], seconds=[0.01, 0.01], key={})
+
+    def fixed(n):
+        return lambda s, c: [n] * len(s)
+
+    full = replay(rounds, confidences, fixed(3), 2, costs, draft_s=0.005, trials=400)
+    # each request yields 1 + accepted (0 or 3, equally likely): 2 requests -> 2 + 3 on average
+    assert full["tokens_per_step"] == pytest.approx(5.0, abs=0.3)
+    assert full["verify_tokens"] == 8
+    assert full["tokens_per_s"] == pytest.approx(full["tokens_per_step"] / 0.02)
+    normal = replay(rounds, confidences, fixed(0), 2, costs, draft_s=0.005, trials=10)
+    assert normal["tokens_per_step"] == 2 and normal["tokens_per_s"] == pytest.approx(200.0)  # no drafting cost
