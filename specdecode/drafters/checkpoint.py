@@ -82,7 +82,12 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         weights = load_file(str(file))
     except Exception as e:  # safetensors raises several types for a truncated or foreign file
         raise SpecDecodeError(f"drafter weights {file} cannot be read ({first_line(e)})") from e
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # a tensor of another shape
+        raise SpecDecodeError(
+            f"drafter weights {file} do not match the architecture in config.json ({first_line(e)})"
+        ) from e
     if missing or unexpected:
         raise SpecDecodeError(
             f"drafter weights {file} do not match the architecture in config.json "
@@ -105,4 +110,22 @@ def load_drafter(path: str | Path, target: Target):
         model = DSparkModel(arch, target.model.get_input_embeddings(), target.model.get_output_embeddings())
         load_weights(model, path)
         return BlockDrafter(model.to(target.device))
+    if kind == "eagle3":
+        from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
+
+        try:
+            arch = Eagle3Config(**config["architecture"])
+            # placeholder vocabulary maps, replaced by the checkpoint's d2t and t2d
+            model = Eagle3Model(
+                arch,
+                target.model.get_input_embeddings(),
+                target.model.get_output_embeddings(),
+                torch.arange(arch.draft_vocab_size),
+            )
+        except (TypeError, IndexError, RuntimeError, SpecDecodeError) as e:
+            raise SpecDecodeError(f"drafter checkpoint {path} has an invalid architecture ({first_line(e)})") from e
+        load_weights(model, path)
+        if not model.vocab_maps_agree():
+            raise SpecDecodeError(f"drafter checkpoint {path} is broken: its d2t and t2d vocabulary maps disagree")
+        return Eagle3Drafter(model.to(target.device), fingerprint=config["target"].get("fingerprint"))
     raise SpecDecodeError(f"drafter checkpoint {path} has unknown kind '{kind}'")

@@ -176,20 +176,29 @@ def write_feature_cache(
 
 
 class OfflineFeatures:
-    """Features served from a cache written by `write_feature_cache`: memory-mapped, upcast to float32."""
+    """Features served from a cache written by `write_feature_cache`: memory-mapped, upcast to float32.
 
-    def __init__(self, cache_dir: str | Path, layer_ids: list[int] | None = None) -> None:
+    With `subset`, `layer_ids` may be some of the cached layers, in any order (EAGLE-3 reads three of the
+    five a DFlash/DSpark cache holds); otherwise they must be exactly the cached ones.
+    """
+
+    def __init__(self, cache_dir: str | Path, layer_ids: list[int] | None = None, subset: bool = False) -> None:
         self.cache_dir = Path(cache_dir)
         index = _read_index(self.cache_dir)
         if index is None:
             raise SpecDecodeError(f"no feature cache in {self.cache_dir} ({INDEX} missing); write one first")
-        if layer_ids is not None and list(layer_ids) != index["layer_ids"]:
+        cached, wanted = index["layer_ids"], index["layer_ids"] if layer_ids is None else list(layer_ids)
+        if not (set(wanted) <= set(cached) if subset else wanted == cached):
             raise SpecDecodeError(
-                f"the feature cache {self.cache_dir} holds target layers {index['layer_ids']}, "
-                f"but the drafter uses {list(layer_ids)}; write a cache for these layers"
+                f"the feature cache {self.cache_dir} holds target layers {cached}, "
+                f"but the drafter uses {wanted}; write a cache for these layers"
             )
-        self.layer_ids: list[int] = index["layer_ids"]
+        self.layer_ids: list[int] = wanted
         self.hidden_size: int = index["hidden_size"]
+        h = self.hidden_size
+        self._columns = None  # all columns, or those of `wanted` in its order
+        if wanted != cached:
+            self._columns = np.concatenate([np.arange(cached.index(i) * h, (cached.index(i) + 1) * h) for i in wanted])
         self.target_name: str = index["target"]
         self.entries = {entry["id"]: entry for entry in index["examples"]}
         self._shards: dict[int, dict[str, np.ndarray]] = {}
@@ -225,7 +234,9 @@ class OfflineFeatures:
                     f"the feature cache {self.cache_dir} holds other tokens for example {example.id} "
                     f"(data re-tokenized?); rebuild the cache"
                 )
-            layer_hidden.append(torch.from_numpy(shard["layer_hidden"][rows].astype(np.float32)))
+            layers = shard["layer_hidden"][rows]
+            layers = layers if self._columns is None else layers[:, self._columns]
+            layer_hidden.append(torch.from_numpy(layers.astype(np.float32)))
             last_hidden.append(torch.from_numpy(shard["last_hidden"][rows].astype(np.float32)))
         return collate(examples, layer_hidden, last_hidden)
 

@@ -16,7 +16,7 @@ from specdecode.models.target import Target
 from specdecode.training.data import Example, tokenize_conversation
 from specdecode.training.features import OfflineFeatures, OnlineFeatures
 from specdecode.training.prompts import Conversation, check_disjoint
-from specdecode.training.recipes import build_block_drafter
+from specdecode.training.recipes import TRAINABLE_KINDS, build_block_drafter, build_eagle3_drafter, recipe_layer_ids
 from specdecode.training.regenerate import read_records
 from specdecode.training.trainer import TrainConfig, train
 
@@ -52,18 +52,24 @@ def run_training(
     held_out: float = 0.03,
     architecture: dict | None = None,
 ) -> Path:
-    model = build_block_drafter(kind, target, **(architecture or {}))
-    layer_ids = model.config.target_layer_ids
+    if kind not in TRAINABLE_KINDS:
+        raise SpecDecodeError(f"unknown drafter kind '{kind}'; choose one of {', '.join(TRAINABLE_KINDS)}")
+    architecture = dict(architecture or {})
+    layer_ids = architecture.pop("target_layer_ids", None) or recipe_layer_ids(kind, target.num_layers)
     if features == "online":
         examples = load_examples(target, data_dir, max_length)
         source = OnlineFeatures(target, layer_ids)
     else:
-        source = OfflineFeatures(features, layer_ids)
+        source = OfflineFeatures(features, layer_ids, subset=True)
         examples = source.examples()
     train_set = [e for e in examples if not is_held_out(e.id, held_out)]
     eval_set = [e for e in examples if is_held_out(e.id, held_out)]
     if not train_set or not eval_set:
         raise SpecDecodeError(f"{len(examples)} usable conversations are too few to split off a held-out set")
+    if kind == "eagle3":  # its draft vocabulary is counted on the training answers
+        model = build_eagle3_drafter(target, train_set, target_layer_ids=layer_ids, **architecture)
+    else:
+        model = build_block_drafter(kind, target, target_layer_ids=layer_ids, **architecture)
     final = train(model, train_set, eval_set, source, config, out_dir)
     if final.get("interrupted"):
         raise SpecDecodeError(f"training was interrupted; a checkpoint is in {out_dir}: run the same command to resume")
