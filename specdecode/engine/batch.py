@@ -1,0 +1,230 @@
+"""The batched verify pass: R requests, each with its own context and its own 1 + l_r new tokens, verified
+in one target forward and accepted independently.
+
+Design: a slot KV cache. Every layer owns two preallocated buffers (slots, kv_heads, max_len, head_dim); a
+request owns a slot and a length. Why slots, and not one DynamicCache per request or a paged cache:
+- one forward needs all rows' keys and values in one tensor; the slot buffers already are that tensor, so
+  a pass copies nothing but its new entries (and gathers rows only when the slots in use are not adjacent);
+- rolling a request back is setting its length: entries past it are never attended and get overwritten;
+- memory is bounded and known when the engine starts: slots x max_len x bytes per token (`nbytes`).
+Paging would fit more short requests into the same memory, at the price of a gather or a custom kernel in
+every layer; for a small target on a CPU the plain layout is enough.
+
+Rows are padded to the longest row's Q tokens. Row r's query i sits at position len_r + i and sees its
+slot's entries 0 .. len_r + i (a boolean 4-D mask); a padded query therefore sees at least one finite
+entry, so no softmax row is empty and no NaN appears, and its keys and values are never written.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache
+
+from specdecode.drafters.base import Proposal, TargetFeatures
+from specdecode.engine.sps import DEFAULT_SIZES, StepCostTable, load_or_profile
+from specdecode.errors import SpecDecodeError
+from specdecode.models.target import PassOutput, Target
+from specdecode.sampling import SamplingParams, probabilities
+from specdecode.verify import ChainResult, verify_chain, verify_greedy
+
+
+@dataclass
+class _PassLayout:
+    """Where the pass in flight writes and what it reads, shared by every layer."""
+
+    write_slots: torch.Tensor  # (N,) slot of each real (non-padded) query
+    write_positions: torch.Tensor  # (N,) its position in the slot
+    real: torch.Tensor  # (R, Q) bool: which queries are real
+    rows: torch.Tensor  # (R,) the slots of the rows, in row order
+    adjacent: bool  # rows are slots rows[0], rows[0] + 1, ...: read a view instead of gathering
+    kv_length: int  # entries read per row: the longest row's length after the pass
+
+
+class SlotCache(Cache):
+    """A `transformers` Cache whose `update()` writes each row's new keys and values at that row's offset in
+    its own slot and returns the rows' buffers up to the longest row (the mask hides the rest)."""
+
+    def __init__(self, target: Target, slots: int, max_len: int) -> None:
+        super().__init__(layers=[])
+        c = target.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        shape = (slots, c.num_key_value_heads, max_len, head_dim)
+        dtype = next(target.model.parameters()).dtype
+        # zeros, not empty: a padded query may read stale entries, which must be finite
+        self.key_buffers = [torch.zeros(shape, dtype=dtype, device=target.device) for _ in range(c.num_hidden_layers)]
+        self.value_buffers = [torch.zeros(shape, dtype=dtype, device=target.device) for _ in range(c.num_hidden_layers)]
+        self.lengths = [0] * slots
+        self.max_len = max_len
+        self.layout: _PassLayout | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.key_buffers + self.value_buffers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key_states (R, kv_heads, Q, head_dim) of the pass's queries -> every row's keys and values so far."""
+        p = self.layout
+        keys, values = self.key_buffers[layer_idx], self.value_buffers[layer_idx]
+        keys[p.write_slots, :, p.write_positions] = key_states.transpose(1, 2)[p.real]
+        values[p.write_slots, :, p.write_positions] = value_states.transpose(1, 2)[p.real]
+        if p.adjacent:
+            first = int(p.rows[0])
+            rows = slice(first, first + len(p.rows))
+            return keys[rows, :, : p.kv_length], values[rows, :, : p.kv_length]
+        return keys[p.rows, :, : p.kv_length], values[p.rows, :, : p.kv_length]
+
+
+class BatchedTarget:
+    """A target run for many requests at once, each in its own KV slot; one `forward` is one batched pass."""
+
+    def __init__(self, target: Target, slots: int, max_len: int) -> None:
+        if slots < 1:
+            raise SpecDecodeError(f"the batch needs at least one slot, got {slots}")
+        if not 2 <= max_len <= target.max_context:
+            raise SpecDecodeError(
+                f"max_len {max_len} is out of range: {target.name}'s context holds 2 .. {target.max_context} tokens"
+            )
+        self.target = target
+        self.cache = SlotCache(target, slots, max_len)
+        self.slots = slots
+        self.max_len = max_len
+        self._free = list(range(slots))
+
+    # ---------------------------------------------------------------- slots
+    @property
+    def nbytes(self) -> int:
+        """KV memory held by the slot buffers (allocated up front, never grows)."""
+        return self.cache.nbytes
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        """A free slot, emptied; the lowest free one, so slots in use stay adjacent when they can."""
+        if not self._free:
+            raise SpecDecodeError("every KV slot is in use")
+        slot = min(self._free)
+        self._free.remove(slot)
+        self.cache.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot in self._free:
+            raise SpecDecodeError(f"slot {slot} is already free")
+        self._free.append(slot)
+
+    def length(self, slot: int) -> int:
+        return self.cache.lengths[slot]
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Keep the slot's first `length` entries (never grows it)."""
+        self.cache.lengths[slot] = min(self.cache.lengths[slot], length)
+
+    # ---------------------------------------------------------------- the pass
+    def forward(self, slots: list[int], rows: list[torch.Tensor], logits: bool = True) -> PassOutput:
+        """Append `rows[r]` (n_r new tokens) to slot `slots[r]` in one target pass; outputs are (R, Q, ...)
+        with Q = max n_r, and row r's outputs past n_r are padding."""
+        if len(slots) != len(rows) or not rows or len(set(slots)) != len(slots):
+            raise SpecDecodeError("a batched pass needs one row per distinct slot, and at least one row")
+        counts = torch.tensor([len(row) for row in rows])
+        starts = torch.tensor([self.cache.lengths[s] for s in slots])
+        if int(counts.min()) < 1:
+            raise SpecDecodeError("every row of a batched pass holds at least one token")
+        if int((starts + counts).max()) > self.max_len:
+            raise SpecDecodeError(f"a row would outgrow its KV slot of {self.max_len} tokens")
+        width = int(counts.max())
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, : len(row)] = row
+        offsets = torch.arange(width)
+        positions = starts[:, None] + offsets  # (R, Q)
+        real = offsets[None] < counts[:, None]
+        kv_length = int((starts + counts).max())
+        mask = torch.arange(kv_length)[None, None] <= positions[:, :, None]  # (R, Q, kv): causal within each slot
+        slot_ids = torch.tensor(slots)
+        self.cache.layout = _PassLayout(
+            write_slots=slot_ids[:, None].expand_as(positions)[real].to(self.target.device),
+            write_positions=positions[real].to(self.target.device),
+            real=real.to(self.target.device),
+            rows=slot_ids.to(self.target.device),
+            adjacent=slots == list(range(slots[0], slots[0] + len(slots))),
+            kv_length=kv_length,
+        )
+        try:
+            out = self.target.forward_rows(ids, self.cache, positions, mask[:, None], logits=logits)
+        finally:
+            self.cache.layout = None
+        for s, start, n in zip(slots, starts.tolist(), counts.tolist(), strict=True):
+            self.cache.lengths[s] = start + n
+        return out
+
+
+@dataclass
+class VerifyRow:
+    """One request in a batched verify pass: its slot, its last committed token and the drafts to verify."""
+
+    slot: int
+    last_token: int
+    proposal: Proposal
+    params: SamplingParams
+    generator: torch.Generator
+
+
+@dataclass
+class RowResult:
+    """A request's accepted tokens and the target features of the positions it committed."""
+
+    result: ChainResult
+    features: TargetFeatures
+
+
+def verify_batch(batched: BatchedTarget, rows: list[VerifyRow]) -> list[RowResult]:
+    """One target pass over every row's [last token, drafts]; each row accepts with verify_greedy or
+    verify_chain on its own logits and rolls its own slot back to its committed tokens but the last."""
+    starts = [batched.length(row.slot) for row in rows]
+    inputs = [torch.cat([torch.tensor([row.last_token]), row.proposal.tokens]) for row in rows]
+    out = batched.forward([row.slot for row in rows], inputs)
+    results = []
+    for r, (row, start) in enumerate(zip(rows, starts, strict=True)):
+        n = 1 + row.proposal.length
+        if row.params.greedy:
+            result = verify_greedy(out.logits[r, :n].argmax(-1).cpu(), row.proposal.tokens)
+        else:
+            p = probabilities(out.logits[r, :n], row.params).cpu()
+            result = verify_chain(p, row.proposal.tokens, row.proposal.probs, row.generator)
+        kept = result.num_accepted + 1
+        batched.rollback(row.slot, start + kept)
+        layer_hidden = None if out.layer_hidden is None else out.layer_hidden[r, :kept]
+        results.append(RowResult(result, TargetFeatures(layer_hidden, out.last_hidden[r, :kept])))
+    return results
+
+
+def profile_batched_pass(
+    batched: BatchedTarget, context: int = 256, max_tokens: int = 64, reps: int = 5, refresh: bool = False
+) -> StepCostTable:
+    """SPS(B) of the real batched pass, for the prefix scheduler: B tokens spread evenly over min(B, slots)
+    rows of `context` cached tokens each (R requests verify at least R tokens, so B rows of one token is
+    the cheapest way to hold B tokens when B <= slots). Cached per target, kernel, slots and machine."""
+    sizes = tuple(b for b in DEFAULT_SIZES if b <= max(max_tokens, 2))
+    context = max(1, min(context, batched.max_len - -(-sizes[-1] // batched.slots)))
+    target = batched.target
+    dtype = str(next(target.model.parameters()).dtype)
+    key = {"target": target.name, "kernel": target.kernel, "dtype": dtype, "context": context, "rows": batched.slots}
+    slots: list[int] = []
+
+    def run_pass(num_tokens: int) -> None:
+        if not slots:  # prefill lazily: a cached table needs no pass at all
+            slots.extend(batched.acquire() for _ in range(batched.slots))
+            batched.forward(slots, [torch.zeros(context, dtype=torch.long)] * len(slots), logits=False)
+        rows = min(num_tokens, len(slots))
+        counts = [num_tokens // rows + (r < num_tokens % rows) for r in range(rows)]
+        batched.forward(slots[:rows], [torch.zeros(n, dtype=torch.long) for n in counts])
+        for slot in slots[:rows]:
+            batched.rollback(slot, context)
+
+    try:
+        return load_or_profile(key, run_pass, sizes, reps, refresh)
+    finally:
+        for slot in slots:
+            batched.release(slot)

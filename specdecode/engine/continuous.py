@@ -1,0 +1,369 @@
+"""Continuous batching: many requests share the target, one batched verify pass per step.
+
+A background thread runs the loop. Between steps, queued requests join while KV slots are free (their
+prompt is prefilled in its own pass) and finished or cancelled ones leave and free their slot. Each step:
+every running request's drafter proposes; the scheduler (`engine/scheduler.py`) decides how many drafts of
+each to verify; one batched pass (`engine/batch.py`) verifies them all; each request accepts with its own
+sampling settings and seed, commits, streams its new text and records its round. Per request the loop is
+the one of `engine/decode.py` (same limit, EOS, stop strings, streaming), so at temperature 0 a request's
+tokens are normal greedy decoding's, whatever else shares its passes.
+
+Drafters keep a request's state in attributes that `begin()` sets, so each request gets a shallow copy of
+the engine's drafter: its own state, the same weights.
+"""
+
+import copy
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
+from specdecode.drafters.dspark import BlockDrafter
+from specdecode.engine.batch import BatchedTarget, VerifyRow, profile_batched_pass, verify_batch
+from specdecode.engine.decode import Completion, stream_safe, visible_text
+from specdecode.engine.metrics import EngineMetrics
+from specdecode.engine.scheduler import SCHEDULER_MODES, schedule
+from specdecode.engine.stats import DecodeStats
+from specdecode.errors import SpecDecodeError
+from specdecode.models.target import Target
+from specdecode.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`max_batch` KV slots of `max_len` tokens each (prompt + completion); the verify length per request is
+    at most `draft_length`, cut further by the scheduler."""
+
+    max_batch: int = 8
+    max_len: int = 2048
+    draft_length: int = 7
+    scheduler: str = "fixed"  # prefix | threshold | fixed
+    threshold: float = 0.5
+
+
+def has_confidences(drafter: Drafter) -> bool:
+    """Whether the drafter's proposals carry confidences (DSpark's head), which `prefix` and `threshold` need."""
+    return isinstance(drafter, BlockDrafter) and drafter.config.confidence_head
+
+
+class RequestHandle:
+    """The caller's side of a request. `on_text(delta)` and `on_done(completion or error)` run on the engine
+    thread, so they must return quickly (the server hands them to its event loop)."""
+
+    def __init__(
+        self,
+        request_id: int,
+        on_text: Callable[[str], None] | None,
+        on_done: Callable[[Completion | Exception], None] | None,
+    ) -> None:
+        self.id = request_id
+        self.on_text = on_text
+        self.on_done = on_done
+        self.cancelled = False
+        self.submitted = time.perf_counter()
+        self.time_to_first_token_s: float | None = None
+        self.completion: Completion | None = None
+        self.error: Exception | None = None
+        self._done = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop generating (a client went away); the slot is freed before the next step."""
+        self.cancelled = True
+
+    def result(self, timeout: float | None = None) -> Completion:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.completion
+
+    def finish(self, outcome: Completion | Exception) -> None:
+        if isinstance(outcome, Exception):
+            self.error = outcome
+        else:
+            self.completion = outcome
+        self._done.set()
+        if self.on_done:
+            self.on_done(outcome)
+
+
+@dataclass
+class _Request:
+    handle: RequestHandle
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...]
+    seed: int
+
+
+@dataclass
+class _Sequence:
+    """A running request: its slot, committed tokens, drafter copy and what it has streamed."""
+
+    request: _Request
+    slot: int
+    ids: list[int]
+    drafter: Drafter
+    generator: torch.Generator
+    stats: DecodeStats
+    started: float
+    streamed: str = ""
+    last_emit: float = 0.0
+    finished: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.ids) - len(self.request.prompt_ids)
+
+
+def _cut(proposal: Proposal, length: int) -> Proposal:
+    """The first `length` drafts: verifying a prefix of a chain keeps verification exact."""
+    if length >= proposal.length:
+        return proposal
+    return Proposal(
+        tokens=proposal.tokens[:length],
+        probs=None if proposal.probs is None else proposal.probs[:length],
+        confidences=None if proposal.confidences is None else proposal.confidences[:length],
+    )
+
+
+class ContinuousEngine:
+    """Owns the target while it runs (its KV slots and its hidden-state capture)."""
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter,
+        config: EngineConfig = EngineConfig(),
+        steps_per_s: Callable[[int], float] | None = None,
+    ) -> None:
+        if config.scheduler not in SCHEDULER_MODES:
+            raise SpecDecodeError(f"unknown scheduler '{config.scheduler}'; choose one of {', '.join(SCHEDULER_MODES)}")
+        if config.scheduler != "fixed" and not has_confidences(drafter):
+            raise SpecDecodeError(
+                f"the '{config.scheduler}' scheduler needs a drafter with a confidence head (DSpark); "
+                f"the {drafter.name} drafter only supports --scheduler fixed"
+            )
+        if config.draft_length < 0:
+            raise SpecDecodeError(f"draft length must be >= 0, got {config.draft_length}")
+        drafter.check_target(target)
+        self.target, self.drafter, self.config = target, drafter, config
+        self.batched = BatchedTarget(target, config.max_batch, config.max_len)
+        target.set_capture_layers(drafter.target_layer_ids)
+        if config.scheduler == "prefix" and steps_per_s is None:
+            max_tokens = config.max_batch * (1 + config.draft_length)
+            steps_per_s = profile_batched_pass(self.batched, max_tokens=max_tokens).steps_per_s
+        self.steps_per_s = steps_per_s
+        self.metrics = EngineMetrics()
+        self.metrics.kv_cache_bytes = self.batched.nbytes
+        self._ids = itertools.count()
+        self._queue: deque[_Request] = deque()
+        self._running: list[_Sequence] = []
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- caller side (any thread)
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="specdecode-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Refuse new requests; with `drain`, finish the queued and running ones first, else cancel them."""
+        with self._cond:
+            self._closing = True
+            if not drain:
+                for request in self._queue:
+                    request.handle.cancel()
+                for sequence in self._running:
+                    sequence.request.handle.cancel()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise `SpecDecodeError` for a request that no slot could ever hold."""
+        if prompt_tokens < 1:
+            raise SpecDecodeError("the prompt is empty")
+        if max_tokens < 1:
+            raise SpecDecodeError(f"max_tokens must be >= 1, got {max_tokens}")
+        if prompt_tokens + max_tokens > self.config.max_len:
+            raise SpecDecodeError(
+                f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}, but a request may hold "
+                f"at most {self.config.max_len} tokens in all: shorten the prompt or lower max_tokens"
+            )
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stop: tuple[str, ...] = (),
+        seed: int = 0,
+        on_text: Callable[[str], None] | None = None,
+        on_done: Callable[[Completion | Exception], None] | None = None,
+    ) -> RequestHandle:
+        """Queue a request; it joins the running batch when a slot is free. Raises for one that can never fit."""
+        self.check_fits(len(prompt_ids), max_tokens)
+        handle = RequestHandle(next(self._ids), on_text, on_done)
+        with self._cond:
+            if self._closing:
+                raise SpecDecodeError("the engine is shutting down and takes no new requests")
+            self._queue.append(_Request(handle, list(prompt_ids), params, max_tokens, tuple(stop), seed))
+            with self.metrics.lock:
+                self.metrics.queue_length = len(self._queue)
+            self._cond.notify_all()
+        return handle
+
+    @property
+    def idle(self) -> bool:
+        """No request queued or running (all slots free)."""
+        with self._cond:
+            return not self._queue and not self._running
+
+    # ---------------------------------------------------------------- engine thread
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._running and not self._closing:
+                    self._cond.wait()
+                if self._closing and not self._queue and not self._running:
+                    return
+                joining = [self._queue.popleft() for _ in range(min(len(self._queue), self.batched.free_slots))]
+            try:
+                for request in joining:
+                    self._admit(request)
+                self._leave_cancelled()
+                if self._running:
+                    self._step()
+            except Exception as error:  # a bug: fail the requests in flight rather than hang their clients
+                log.exception("engine step failed")
+                for sequence in self._running:
+                    self._release(sequence, "failed")
+                    sequence.request.handle.finish(error)
+                self._running = []
+            with self._cond, self.metrics.lock:
+                self.metrics.queue_length = len(self._queue)
+                self.metrics.running = len(self._running)
+
+    def _admit(self, request: _Request) -> None:
+        if request.handle.cancelled:
+            with self.metrics.lock:
+                self.metrics.requests["cancelled"] += 1
+            request.handle.finish(Completion(token_ids=[], text="", finish_reason="cancelled"))
+            return
+        start = time.perf_counter()
+        slot = self.batched.acquire()
+        prompt = request.prompt_ids
+        features = None
+        if len(prompt) > 1:
+            out = self.batched.forward([slot], [torch.tensor(prompt[:-1])], logits=False)
+            layer_hidden = None if out.layer_hidden is None else out.layer_hidden[0]
+            features = TargetFeatures(layer_hidden, out.last_hidden[0])
+        generator = torch.Generator().manual_seed(request.seed)
+        drafter = copy.copy(self.drafter)
+        drafter.begin(list(prompt), request.params, generator, features)
+        stats = DecodeStats(prefill_s=time.perf_counter() - start)
+        self._running.append(_Sequence(request, slot, list(prompt), drafter, generator, stats, start))
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(prompt)
+
+    def _leave_cancelled(self) -> None:
+        for sequence in [s for s in self._running if s.request.handle.cancelled]:
+            self._finish(sequence, "cancelled")
+        self._running = [s for s in self._running if not s.finished]
+
+    def _step(self) -> None:
+        """Draft for every running request, schedule, one batched verify pass, commit each request."""
+        proposals = []
+        for s in self._running:
+            t0 = time.perf_counter()
+            room = s.request.max_tokens - s.generated - 1  # drafts beyond the limit would be wasted
+            proposal = s.drafter.propose(s.ids, min(self.config.draft_length, room)) if room > 0 else EMPTY_PROPOSAL
+            proposals.append(proposal)
+            s.stats.draft_s += time.perf_counter() - t0
+        # an empty proposal carries no confidences; `fixed` ignores them and has_confidences() covers the rest
+        confidences = [p.confidences if p.confidences is not None else torch.ones(p.length) for p in proposals]
+        lengths = schedule(
+            self.config.scheduler,
+            confidences,
+            [p.length for p in proposals],
+            self.steps_per_s,
+            self.config.threshold,
+            self.config.draft_length,
+        )
+        proposals = [_cut(p, n) for p, n in zip(proposals, lengths, strict=True)]
+        rows = [
+            VerifyRow(s.slot, s.ids[-1], p, s.request.params, s.generator)
+            for s, p in zip(self._running, proposals, strict=True)
+        ]
+        t0 = time.perf_counter()
+        results = verify_batch(self.batched, rows)
+        verify_s = time.perf_counter() - t0
+        with self.metrics.lock:
+            self.metrics.verify_rows.observe(len(rows))
+            self.metrics.verify_tokens.observe(sum(1 + p.length for p in proposals))
+        for s, p, row in zip(self._running, proposals, results, strict=True):
+            s.stats.verify_s += verify_s
+            self._commit(s, p.length, row.result, row.features)
+        self._running = [s for s in self._running if not s.finished]
+
+    def _commit(self, s: _Sequence, verified: int, result, features: TargetFeatures) -> None:
+        """As in `SpeculativeDecoder._complete`: cut at the limit and EOS, observe, stream, maybe finish."""
+        t0 = time.perf_counter()
+        new = result.tokens[: s.request.max_tokens - s.generated]
+        hit_eos = next((j for j, t in enumerate(new) if t in self.target.eos_token_ids), None)
+        if hit_eos is not None:
+            new = new[: hit_eos + 1]
+        s.ids += new
+        s.drafter.observe(s.ids, result.num_accepted, features)
+        s.stats.record_round(verified, result.num_accepted)
+        now = time.perf_counter()
+        handle = s.request.handle
+        with self.metrics.lock:
+            self.metrics.record_round(verified, result.num_accepted)
+            self.metrics.generated_tokens += len(new)
+            if handle.time_to_first_token_s is None:
+                handle.time_to_first_token_s = now - handle.submitted
+                self.metrics.time_to_first_token.observe(handle.time_to_first_token_s)
+            else:
+                for _ in new:
+                    self.metrics.inter_token_latency.observe((now - s.last_emit) / len(new))
+        s.last_emit = now
+        text, stopped = visible_text(self.target.tokenizer, s.ids[len(s.request.prompt_ids) :], s.request.stop)
+        s.stats.draft_s += time.perf_counter() - t0
+        if stopped or hit_eos is not None or s.generated >= s.request.max_tokens:
+            self._emit(s, text)
+            self._finish(s, "stop" if stopped or hit_eos is not None else "length", text)
+        else:
+            self._emit(s, stream_safe(text, s.request.stop))
+
+    def _emit(self, s: _Sequence, shown: str) -> None:
+        if len(shown) > len(s.streamed):
+            if s.request.handle.on_text:
+                s.request.handle.on_text(shown[len(s.streamed) :])
+            s.streamed = shown
+
+    def _release(self, s: _Sequence, status: str) -> None:
+        self.batched.release(s.slot)
+        s.finished = True
+        with self.metrics.lock:
+            self.metrics.requests[status] += 1
+
+    def _finish(self, s: _Sequence, reason: str, text: str | None = None) -> None:
+        self._release(s, "cancelled" if reason == "cancelled" else "finished")
+        generated = s.ids[len(s.request.prompt_ids) :]
+        s.stats.new_tokens = len(generated)
+        s.stats.wall_s = time.perf_counter() - s.started
+        text = s.streamed if text is None else text
+        s.request.handle.finish(Completion(token_ids=generated, text=text, finish_reason=reason, stats=s.stats))

@@ -1,0 +1,189 @@
+"""`specdecode bench serving`: the OpenAI server under load, on loopback, bounded in requests and time.
+
+For each configuration (normal decoding; the drafter with a fixed draft length; the drafter with the prefix
+scheduler) an in-process server is started on a free 127.0.0.1 port, and for each concurrency level that
+many clients send streamed chat requests (temperature 0, prompts from a benchmark, in file order) until the
+level's request budget or time limit runs out. Client-side measurements:
+- throughput: completion tokens of the level / its wall time; per-user: each request's tokens / its time;
+- TTFT: request sent -> first content chunk; ITL: gaps between content chunks. A speculative round can
+  carry several tokens in one chunk, so ITL is per chunk, and TPOT ((end - first chunk) / (tokens - 1)) is
+  given too.
+"""
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from specdecode.drafters import Drafter, build_drafter
+from specdecode.engine.continuous import ContinuousEngine, EngineConfig, has_confidences
+from specdecode.errors import SpecDecodeError
+from specdecode.evaluation.benchmarks import load_benchmark
+from specdecode.evaluation.results import write_results
+from specdecode.models.target import Target
+from specdecode.serving.app import BackgroundServer, create_app
+
+
+@dataclass
+class RequestTiming:
+    start: float
+    end: float = 0.0
+    chunks: list[float] = field(default_factory=list)
+    tokens: int = 0
+    mean_accepted_length: float = 0.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by linear interpolation; None when there are no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+async def _one_request(client, model: str, prompt: str, max_tokens: int) -> RequestTiming:
+    timing = RequestTiming(start=time.perf_counter())
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    rounds, accepted = 0, 0.0
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            timing.chunks.append(time.perf_counter())
+        stats = (chunk.model_extra or {}).get("spec_decode")
+        if stats:
+            rounds, accepted = stats["rounds"], stats["mean_accepted_length"]
+        if chunk.usage is not None:
+            timing.tokens = chunk.usage.completion_tokens
+    timing.end = time.perf_counter()
+    timing.mean_accepted_length = accepted if rounds else 0.0
+    return timing
+
+
+async def run_level(
+    url: str, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int, time_limit_s: float
+) -> dict:
+    """`clients` concurrent clients share a budget of `requests` requests and `time_limit_s` seconds."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    deadline = time.perf_counter() + time_limit_s
+    next_prompt = iter(range(requests))
+    timings: list[RequestTiming] = []
+
+    async def worker() -> None:
+        for i in next_prompt:
+            if time.perf_counter() > deadline:
+                return
+            timings.append(await _one_request(client, model, prompts[i % len(prompts)], max_tokens))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    wall = time.perf_counter() - start
+    await client.close()
+    return summarize(timings, wall, clients)
+
+
+def summarize(timings: list[RequestTiming], wall_s: float, clients: int) -> dict:
+    tokens = sum(t.tokens for t in timings)
+    ttft = [t.chunks[0] - t.start for t in timings if t.chunks]
+    itl = [b - a for t in timings for a, b in zip(t.chunks, t.chunks[1:], strict=False)]
+    tpot = [(t.end - t.chunks[0]) / (t.tokens - 1) for t in timings if t.chunks and t.tokens > 1]
+    per_user = [t.tokens / (t.end - t.start) for t in timings if t.end > t.start]
+
+    def ms(values: list[float], q: float) -> float | None:
+        p = percentile(values, q)
+        return None if p is None else round(1000 * p, 2)
+
+    accepted = [t.mean_accepted_length for t in timings if t.mean_accepted_length]
+    return {
+        "concurrency": clients,
+        "requests": len(timings),
+        "new_tokens": tokens,
+        "wall_s": round(wall_s, 3),
+        "output_tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else 0.0,
+        "per_user_tokens_per_s": round(statistics.mean(per_user), 3) if per_user else None,
+        "ttft_ms_p50": ms(ttft, 50),
+        "ttft_ms_p99": ms(ttft, 99),
+        "itl_ms_p50": ms(itl, 50),
+        "itl_ms_p99": ms(itl, 99),
+        "tpot_ms_mean": round(1000 * statistics.mean(tpot), 2) if tpot else None,
+        "mean_accepted_length": round(statistics.mean(accepted), 4) if accepted else None,
+    }
+
+
+def _configurations(target: Target, drafter_spec: str | None) -> list[tuple[str, Drafter, str]]:
+    """(label, drafter, scheduler): normal decoding, then the drafter fixed, then with the prefix scheduler."""
+    configs = [("none", Drafter(), "fixed")]
+    if drafter_spec:
+        drafter = build_drafter(drafter_spec, target)
+        configs.append((f"{drafter.name}-fixed", drafter, "fixed"))
+        if has_confidences(drafter):
+            configs.append((f"{drafter.name}-prefix", drafter, "prefix"))
+    return configs
+
+
+def run_serving_bench(
+    target: Target,
+    drafter_spec: str | None,
+    concurrencies: list[int],
+    requests: int = 32,
+    max_tokens: int = 128,
+    time_limit_s: float = 300.0,
+    draft_length: int = 7,
+    max_len: int = 1024,
+    benchmark: str = "mt-bench",
+    out: str = "docs/results",
+    name: str = "serving",
+) -> dict:
+    """Every configuration at every concurrency level; writes `<out>/<name>.json` and `.md`."""
+    if min(concurrencies) < 1 or requests < 1 or max_tokens < 1 or time_limit_s <= 0:
+        raise SpecDecodeError("concurrency levels, requests, max_tokens and the time limit must all be positive")
+    prompts = [item.turns[0] for item in load_benchmark(benchmark)]
+    runs = []
+    for label, drafter, scheduler in _configurations(target, drafter_spec):
+        config = EngineConfig(max(concurrencies), max_len, draft_length if label != "none" else 0, scheduler)
+        engine = ContinuousEngine(target, drafter, config)
+        with BackgroundServer(create_app(engine, target.name)) as server:
+            for clients in concurrencies:
+                level = asyncio.run(
+                    run_level(server.url, target.name, prompts, clients, requests, max_tokens, time_limit_s)
+                )
+                runs.append(
+                    {
+                        "drafter": drafter.name,
+                        "configuration": label,
+                        "scheduler": scheduler,
+                        "checkpoint": drafter_spec if label != "none" else None,
+                        "benchmark": benchmark,
+                        "temperature": 0.0,
+                        "draft_length": config.draft_length,
+                        "tree": None,
+                        **level,
+                    }
+                )
+                print(f"[serving] {label:16s} c={clients:3d} {level['output_tokens_per_s']:8.1f} tok/s", flush=True)
+    columns = "configuration | clients | requests | tok/s | per-user tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT ms"
+    rows = [f"| {columns} | accepted |", "|" + "---|" * 9]
+    for r in runs:
+        rows.append(
+            f"| {r['configuration']} | {r['concurrency']} | {r['requests']} | {r['output_tokens_per_s']} | "
+            f"{r['per_user_tokens_per_s']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | {r['itl_ms_p50']} / "
+            f"{r['itl_ms_p99']} | {r['tpot_ms_mean']} | {r['mean_accepted_length']} |"
+        )
+    limits = {
+        "requests_per_level": requests,
+        "max_tokens": max_tokens,
+        "time_limit_s": time_limit_s,
+        "max_len": max_len,
+    }
+    path = write_results(name, out, target.name, runs, "\n".join(rows), limits=limits)
+    return {"path": str(path), "runs": runs}

@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: `protocol` (request validation, response shapes) and `app` (FastAPI + uvicorn)."""

@@ -1,0 +1,224 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over a `ContinuousEngine`, SSE streaming, /metrics.
+
+The engine runs in its own thread; its callbacks hand text and results to the event loop with
+`call_soon_threadsafe`, so a slow client never stalls a step. A stream whose client goes away is cancelled
+(its `finally` cancels the engine requests, which free their slots before the next step). On SIGTERM uvicorn
+stops accepting connections and lets the open ones finish; then the lifespan drains the engine.
+"""
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from specdecode.engine.continuous import ContinuousEngine, RequestHandle
+from specdecode.engine.decode import Completion
+from specdecode.errors import SpecDecodeError
+from specdecode.serving.protocol import (
+    ApiError,
+    GenerationRequest,
+    choice,
+    chunk_choice,
+    envelope,
+    parse_request,
+    response_id,
+    spec_decode_stats,
+    usage,
+)
+
+
+def _error_response(status: int, message: str, kind: str, code: str | None = None, param: str | None = None):
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def create_app(engine: ContinuousEngine, model_name: str) -> FastAPI:
+    """The app serves `engine` under the model name `model_name`; its lifespan starts and drains the engine."""
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.stop, True)
+
+    app = FastAPI(title="specdecode", lifespan=lifespan)
+    created = int(time.time())
+
+    @app.exception_handler(SpecDecodeError)
+    async def refused(_request: Request, error: SpecDecodeError):
+        with engine.metrics.lock:
+            engine.metrics.requests["refused"] += 1
+        if isinstance(error, ApiError):
+            return JSONResponse(error.body(), error.status)
+        return _error_response(400, str(error), "invalid_request_error")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, error: HTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error_response(error.status_code, str(error.detail), kind)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "specdecode"}],
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(request, chat=True)
+
+    async def _generate(request: Request, chat: bool):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(f"the request body is not valid JSON ({e})") from e
+        req = parse_request(body, chat, engine.target, model_name, engine.config.max_len)
+        events: asyncio.Queue = asyncio.Queue()
+        handles = _submit(req, events, asyncio.get_running_loop())
+        prompt_tokens = len(req.prompt_ids)
+        if req.stream:
+            stream = _stream(chat, req, handles, events, prompt_tokens)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return await _collect(chat, handles, events, prompt_tokens)
+
+    def _submit(req: GenerationRequest, events: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> list[RequestHandle]:
+        def post(item: tuple) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the event loop has closed: nobody is listening any more
+                pass
+
+        handles = []
+        try:
+            for i, seed in enumerate(req.seeds):
+                handles.append(
+                    engine.submit(
+                        req.prompt_ids,
+                        req.params,
+                        req.max_tokens,
+                        req.stop,
+                        seed,
+                        on_text=lambda text, i=i: post((i, text)),
+                        on_done=lambda outcome, i=i: post((i, outcome)),
+                    )
+                )
+        except SpecDecodeError:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
+
+    async def _collect(chat: bool, handles: list[RequestHandle], events: asyncio.Queue, prompt_tokens: int):
+        done: dict[int, Completion] = {}
+        try:
+            while len(done) < len(handles):
+                i, item = await events.get()
+                if isinstance(item, Exception):
+                    return _error_response(500, f"generation failed: {item}", "server_error")
+                if isinstance(item, Completion):
+                    done[i] = item
+        finally:
+            for handle in handles:
+                handle.cancel()
+        completions = [done[i] for i in range(len(handles))]
+        return envelope(
+            chat,
+            response_id(chat),
+            model_name,
+            [choice(chat, i, c.text, c.finish_reason) for i, c in enumerate(completions)],
+            stream=False,
+            usage=usage(prompt_tokens, completions),
+            spec_decode=_spec_decode(handles, completions),
+        )
+
+    async def _stream(
+        chat: bool, req: GenerationRequest, handles: list[RequestHandle], events: asyncio.Queue, prompt_tokens: int
+    ) -> AsyncIterator[str]:
+        rid, first = response_id(chat), [True] * len(handles)
+        done: dict[int, Completion] = {}
+        try:
+            while len(done) < len(handles):
+                i, item = await events.get()
+                if isinstance(item, Exception):
+                    yield _sse({"error": {"message": f"generation failed: {item}", "type": "server_error"}})
+                    return
+                if isinstance(item, str):
+                    yield _sse(envelope(chat, rid, model_name, [chunk_choice(chat, i, item, None, first[i])], True))
+                    first[i] = False
+                    continue
+                done[i] = item
+                last = chunk_choice(chat, i, None, item.finish_reason, first[i])
+                stats = spec_decode_stats(item, i, handles[i].time_to_first_token_s)
+                yield _sse(envelope(chat, rid, model_name, [last], True, spec_decode=stats))
+            if req.include_usage:
+                completions = [done[i] for i in range(len(handles))]
+                yield _sse(envelope(chat, rid, model_name, [], True, usage=usage(prompt_tokens, completions)))
+            yield _sse("[DONE]")
+        finally:  # also when the client went away mid-stream: free the slots
+            for handle in handles:
+                handle.cancel()
+
+    def _spec_decode(handles: list[RequestHandle], completions: list[Completion]) -> dict:
+        return {
+            "drafter": engine.drafter.name,
+            "scheduler": engine.config.scheduler,
+            "draft_length": engine.config.draft_length,
+            "choices": [spec_decode_stats(c, i, handles[i].time_to_first_token_s) for i, c in enumerate(completions)],
+        }
+
+    return app
+
+
+class BackgroundServer:
+    """uvicorn in a thread on a loopback port (port 0: a free one), for tests and the load generator."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="specdecode-server", daemon=True)
+        self.host = host
+
+    def __enter__(self) -> "BackgroundServer":
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise SpecDecodeError("the server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+
+
+def serve(engine: ContinuousEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Run the server in the foreground until SIGINT / SIGTERM, which drain the running requests."""
+    uvicorn.run(create_app(engine, model_name), host=host, port=port, log_level="info")

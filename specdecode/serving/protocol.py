@@ -1,0 +1,197 @@
+"""The OpenAI request and response shapes the server speaks: validation in, JSON objects out.
+
+Validation is strict on purpose: a parameter the engine would silently ignore (logprobs, penalties,
+tools, ...) is refused with a 400 naming it, so a client never believes it got what it did not.
+Parameters sent as `null` count as absent, as OpenAI's own API treats them.
+"""
+
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+from specdecode.engine.decode import Completion
+from specdecode.errors import SpecDecodeError
+from specdecode.models.target import Target
+from specdecode.sampling import SamplingParams
+
+MAX_CHOICES = 16
+MAX_STOP_STRINGS = 4
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user"}
+SUPPORTED = {"completions": _COMMON | {"prompt"}, "chat": _COMMON | {"messages", "max_completion_tokens"}}
+_ROLES = ("system", "user", "assistant")
+
+
+class ApiError(SpecDecodeError):
+    """A request the server refuses, with the HTTP status and OpenAI's error fields."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict:
+        kind = "not_found_error" if self.status == 404 else "invalid_request_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class GenerationRequest:
+    """A validated request: what to submit to the engine, `n` times with seeds `seeds`."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...]
+    seeds: list[int]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise ApiError(f"'{name}' must be a number in [{low:g}, {high:g}], got {value!r}", param=name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ApiError(f"'{name}' must be an integer {bound}, got {value!r}", param=name)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop")
+    return tuple(s for s in stops if s)
+
+
+def _prompt_ids(body: dict, chat: bool, target: Target) -> list[int]:
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError("'messages' must be a non-empty list of {role, content} objects", param="messages")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
+                raise ApiError(
+                    f"every message needs a role in {', '.join(_ROLES)} and a string content, got {m!r}",
+                    param="messages",
+                )
+        return target.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return target.encode(prompt, chat=False)
+    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < target.vocab_size for t in prompt):
+        return list(prompt)
+    raise ApiError(
+        "'prompt' must be a non-empty string or a list of token ids (one prompt per request)", param="prompt"
+    )
+
+
+def parse_request(body: object, chat: bool, target: Target, model_name: str, max_len: int) -> GenerationRequest:
+    """Check an OpenAI completions / chat completions body; raise `ApiError` with what is wrong."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}
+    unsupported = sorted(set(body) - SUPPORTED["chat" if chat else "completions"])
+    if unsupported:
+        raise ApiError(f"unsupported parameter '{unsupported[0]}'", param=unsupported[0], code="unsupported_parameter")
+    if "model" not in body:
+        raise ApiError("'model' is required", param="model")
+    if body["model"] != model_name:
+        raise ApiError(f"the model '{body['model']}' does not exist; this server serves '{model_name}'", 404, "model")
+    prompt_ids = _prompt_ids(body, chat, target)
+    max_tokens = _integer(body, "max_tokens", 1)
+    if chat and max_tokens is None:
+        max_tokens = _integer(body, "max_completion_tokens", 1)
+    if len(prompt_ids) >= max_len:
+        raise ApiError(
+            f"the prompt has {len(prompt_ids)} tokens but this server's context holds {max_len} per request",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = (
+            max_len - len(prompt_ids) if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, max_len - len(prompt_ids))
+        )
+    elif len(prompt_ids) + max_tokens > max_len:
+        raise ApiError(
+            f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but this server's context "
+            f"holds {max_len} per request: lower max_tokens or shorten the prompt",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    temperature, top_p = _number(body, "temperature", 1.0, 0, 2), _number(body, "top_p", 1.0, 0, 1)
+    try:
+        params = SamplingParams(temperature=temperature, top_p=top_p)
+    except SpecDecodeError as e:  # the ranges above leave only top_p = 0
+        raise ApiError(str(e), param="top_p") from e
+    n = _integer(body, "n", 1, MAX_CHOICES) or 1
+    seed = _integer(body, "seed", -(2**63))
+    base = random.randrange(2**62) if seed is None else seed % 2**63
+    stream = body.get("stream", False)
+    options = body.get("stream_options", {})
+    if not isinstance(stream, bool) or not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ApiError("'stream' must be a boolean and 'stream_options' at most {include_usage}", param="stream")
+    return GenerationRequest(
+        prompt_ids=prompt_ids,
+        params=params,
+        max_tokens=max_tokens,
+        stop=_stop(body),
+        seeds=[base + i for i in range(n)],
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+    )
+
+
+# ---------------------------------------------------------------- responses
+def response_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+
+def spec_decode_stats(completion: Completion, index: int, time_to_first_token_s: float | None) -> dict:
+    """A choice's speculative statistics, like SGLang's meta_info.spec_accept_length but per round."""
+    stats = completion.stats.to_dict()
+    stats["time_to_first_token_s"] = None if time_to_first_token_s is None else round(time_to_first_token_s, 4)
+    return {"index": index, **stats}
+
+
+def usage(prompt_tokens: int, completions: list[Completion]) -> dict:
+    generated = sum(len(c.token_ids) for c in completions)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
+
+
+def choice(chat: bool, index: int, text: str, finish_reason: str) -> dict:
+    """A choice of a full (non-streamed) response."""
+    if chat:
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chunk_choice(chat: bool, index: int, text: str | None, finish_reason: str | None, first: bool) -> dict:
+    """A choice of a stream chunk; chat chunks carry a delta, the first one with the role."""
+    if not chat:
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    delta = {} if text is None else {"content": text}
+    if first:
+        delta = {"role": "assistant", **delta}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def envelope(chat: bool, request_id: str, model: str, choices: list[dict], stream: bool, **extra) -> dict:
+    kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices, **extra}

@@ -1,0 +1,247 @@
+"""The batched verify pass and the continuous-batching engine: batching must not change what each request gets."""
+
+import pytest
+import torch
+
+from specdecode.drafters.base import Drafter, Proposal
+from specdecode.drafters.dspark import BlockDrafter
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.engine.batch import BatchedTarget, VerifyRow, profile_batched_pass, verify_batch
+from specdecode.engine.continuous import ContinuousEngine, EngineConfig
+from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.errors import SpecDecodeError
+from specdecode.sampling import SamplingParams
+from specdecode.training.recipes import build_block_drafter
+from tests.conftest import tiny_target
+
+GREEDY = SamplingParams()
+
+
+def _single_pass(target, context: torch.Tensor, new: torch.Tensor):
+    """The one-request reference: prefill `context`, then one pass over `new`."""
+    target.reset()
+    target.forward(context, logits=False)
+    return target.forward(new)
+
+
+def _check_rows_match(target, contexts, news, atol):
+    batched = BatchedTarget(target, slots=4, max_len=96)
+    slots = [batched.acquire() for _ in range(4)][1:]  # slots 1..3 of 4: not starting at 0
+    slots = [slots[2], slots[0], slots[1]]  # and not in slot order: the gathered (non-view) path
+    batched.forward(slots, contexts, logits=False)
+    out = batched.forward(slots, news)
+    assert torch.isfinite(out.logits).all()  # padded queries included
+    for r, (context, new) in enumerate(zip(contexts, news, strict=True)):
+        ref = _single_pass(target, context, new)
+        got = out.logits[r, : len(new)]
+        torch.testing.assert_close(got, ref.logits, atol=atol, rtol=0)
+        assert torch.equal(got.argmax(-1), ref.logits.argmax(-1))
+        if ref.layer_hidden is not None:
+            torch.testing.assert_close(out.layer_hidden[r, : len(new)], ref.layer_hidden, atol=atol, rtol=0)
+        assert batched.length(slots[r]) == len(context) + len(new)
+
+
+def test_batched_pass_equals_single_passes_tiny():
+    target = tiny_target()
+    target.set_capture_layers([0])
+    g = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(0, 24, (n,), generator=g) for n in (5, 31, 2)]
+    news = [torch.randint(0, 24, (n,), generator=g) for n in (4, 1, 8)]  # 1 + l_r with l_r = 3, 0, 7
+    _check_rows_match(target, contexts, news, atol=1e-4)
+
+
+def test_batched_pass_equals_single_passes_real_target(smollm2):
+    smollm2.set_capture_layers([])
+    contexts = [torch.tensor(smollm2.encode(p)) for p in ("Hi", "Name three rivers in Europe, please.", "2+2?")]
+    news = [torch.tensor(smollm2.tokenizer.encode(t)) for t in ("Hello there", "The", "The answer is four.")]
+    _check_rows_match(smollm2, contexts, news, atol=1e-3)
+
+
+def test_rollback_is_per_row():
+    """Row 0 keeps 2 of its 6 new entries, row 1 keeps all; the next pass sees exactly the kept entries."""
+    target = tiny_target()
+    batched = BatchedTarget(target, slots=2, max_len=64)
+    a, b = batched.acquire(), batched.acquire()
+    ctx_a, ctx_b = torch.arange(3, 10), torch.arange(4, 8)
+    new_a, new_b = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([9, 9])
+    batched.forward([a, b], [ctx_a, ctx_b], logits=False)
+    batched.forward([a, b], [new_a, new_b])
+    batched.rollback(a, len(ctx_a) + 2)
+    assert (batched.length(a), batched.length(b)) == (len(ctx_a) + 2, len(ctx_b) + 2)
+    out = batched.forward([a, b], [torch.tensor([7, 8]), torch.tensor([10])])
+    ref_a = _single_pass(target, torch.cat([ctx_a, new_a[:2]]), torch.tensor([7, 8]))
+    ref_b = _single_pass(target, torch.cat([ctx_b, new_b]), torch.tensor([10]))
+    torch.testing.assert_close(out.logits[0, :2], ref_a.logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.logits[1, :1], ref_b.logits, atol=1e-4, rtol=0)
+
+
+def test_verify_batch_accepts_each_row_independently():
+    """Row 0 proposes the target's own greedy continuation (all kept), row 1 proposes junk (none kept)."""
+    target = tiny_target()
+    prompt = [3, 5, 7, 9]
+    greedy = SpeculativeDecoder(target, Drafter()).generate(prompt, GREEDY, max_new_tokens=5)[0].token_ids
+    batched = BatchedTarget(target, slots=2, max_len=64)
+    rows = []
+    for drafts in (greedy[:4], [(t + 1) % 24 for t in greedy[:3]]):
+        slot = batched.acquire()
+        batched.forward([slot], [torch.tensor(prompt[:-1])], logits=False)
+        proposal = Proposal(tokens=torch.tensor(drafts))
+        rows.append(VerifyRow(slot, prompt[-1], proposal, GREEDY, torch.Generator()))
+    first, second = verify_batch(batched, rows)
+    assert first.result.tokens == greedy[:5] and first.result.num_accepted == 4
+    assert second.result.tokens == greedy[:1] and second.result.num_accepted == 0
+    assert batched.length(0) == len(prompt) + 4 and batched.length(1) == len(prompt)
+    assert first.features.last_hidden.shape[0] == 5 and second.features.last_hidden.shape[0] == 1
+
+
+def test_slots_are_bounded_and_accounted():
+    target = tiny_target()
+    batched = BatchedTarget(target, slots=2, max_len=16)
+    c = target.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    assert batched.nbytes == 2 * c.num_hidden_layers * 2 * c.num_key_value_heads * 16 * head_dim * 4
+    slot = batched.acquire()
+    batched.acquire()
+    with pytest.raises(SpecDecodeError, match="in use"):
+        batched.acquire()
+    with pytest.raises(SpecDecodeError, match="outgrow"):
+        batched.forward([slot], [torch.zeros(17, dtype=torch.long)])
+    batched.release(slot)
+    with pytest.raises(SpecDecodeError, match="already free"):
+        batched.release(slot)
+    with pytest.raises(SpecDecodeError, match="max_len"):
+        BatchedTarget(target, slots=1, max_len=target.max_context + 1)
+
+
+def test_profile_batched_pass_measures_and_frees_slots(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    batched = BatchedTarget(tiny_target(), slots=2, max_len=64)
+    table = profile_batched_pass(batched, context=8, max_tokens=6, reps=1)
+    assert table.tokens == [1, 2, 3, 4, 6] and all(s > 0 for s in table.seconds)
+    assert table.key["rows"] == 2 and batched.free_slots == 2
+    assert profile_batched_pass(batched, context=8, max_tokens=6, reps=1).seconds == table.seconds  # cached
+
+
+# ---------------------------------------------------------------- the engine
+def _normal_greedy(target, prompt, max_tokens):
+    return SpeculativeDecoder(target, Drafter()).generate(prompt, GREEDY, max_new_tokens=max_tokens)[0].token_ids
+
+
+def _top2_gap(target, ids: list[int]) -> float:
+    """The reference's margin between its two best next tokens after `ids`."""
+    target.set_capture_layers([])
+    target.reset()
+    top = target.forward(torch.tensor(ids)).logits[-1].topk(2).values
+    return float(top[0] - top[1])
+
+
+def _run(engine, prompts, max_tokens, **kw):
+    engine.start()
+    try:
+        handles = [engine.submit(p, GREEDY, max_tokens, **kw) for p in prompts]  # all at once: they share passes
+        return [h.result(timeout=300) for h in handles]
+    finally:
+        engine.stop()
+
+
+def test_engine_greedy_equals_normal_decoding_real_target(smollm2):
+    """Temperature 0 under concurrent load on the real target, more requests than slots (so some wait).
+
+    Tolerance, stated: the batched pass computes the same logits up to float rounding (~1e-4, other kernels
+    for other row counts), so outputs must be token-identical unless the reference's two best tokens are
+    within 1e-3 of each other at the first difference (a float tie); then only the tokens before it are
+    compared."""
+    questions = (
+        "What is 2+2?",
+        "Write a haiku about the sea.",
+        "Repeat exactly: red, green, blue, red, green, blue.",
+        "Explain in detail why the sky is blue, and why sunsets are red.",
+        "Hi",
+    )
+    prompts = [smollm2.encode(q) for q in questions]
+    max_tokens = 24
+    references = [_normal_greedy(smollm2, p, max_tokens) for p in prompts]
+    engine = ContinuousEngine(smollm2, NgramDrafter(), EngineConfig(max_batch=3, max_len=160, draft_length=4))
+    completions = _run(engine, prompts, max_tokens)
+    for prompt, ref, got in zip(prompts, references, completions, strict=True):
+        if got.token_ids != ref:
+            j = next(i for i, (x, y) in enumerate(zip(got.token_ids, ref, strict=False)) if x != y)
+            assert _top2_gap(smollm2, prompt + ref[:j]) < 1e-3, f"batched output differs at token {j}"
+        assert got.text == smollm2.tokenizer.decode(got.token_ids, skip_special_tokens=True)
+    assert engine.batched.free_slots == 3
+    assert engine.metrics.requests["finished"] == len(prompts)
+    assert max(s.mean_accepted_length for s in (c.stats for c in completions)) > 1  # ngram drafts were kept
+
+
+def _tiny_dspark(target):
+    return BlockDrafter(build_block_drafter("dspark", target, num_layers=1, block_size=4, target_layer_ids=[0]))
+
+
+@pytest.mark.parametrize("scheduler", ["prefix", "threshold", "fixed"])
+def test_engine_schedulers_stay_lossless_tiny(scheduler):
+    """An untrained DSpark drafter (it has confidences) under each scheduler: greedy output is normal decoding."""
+    target = tiny_target(vocab_size=32, seed=3)
+    prompts = [[3, 4, 5, 6, 7, 8, 9][:n] for n in (2, 7, 4, 1)]
+    references = [_normal_greedy(target, p, 12) for p in prompts]
+    drafter = _tiny_dspark(target)
+    target.set_capture_layers(drafter.target_layer_ids)
+    config = EngineConfig(max_batch=3, max_len=32, draft_length=4, scheduler=scheduler, threshold=0.3)
+    steps_per_s = (lambda b: 100.0 / (1 + 0.05 * b)) if scheduler == "prefix" else None
+    engine = ContinuousEngine(target, drafter, config, steps_per_s=steps_per_s)
+    assert [c.token_ids for c in _run(engine, prompts, 12)] == references
+
+
+def test_engine_refuses_what_can_never_fit_and_needs_confidences_for_prefix():
+    target = tiny_target()
+    engine = ContinuousEngine(target, NgramDrafter(), EngineConfig(max_batch=1, max_len=16))
+    with pytest.raises(SpecDecodeError, match="at most 16 tokens"):
+        engine.submit([1] * 10, GREEDY, max_tokens=7)
+    with pytest.raises(SpecDecodeError, match="max_tokens"):
+        engine.submit([1] * 10, GREEDY, max_tokens=0)
+    with pytest.raises(SpecDecodeError, match="confidence head"):
+        ContinuousEngine(target, NgramDrafter(), EngineConfig(scheduler="prefix"))
+
+
+def test_engine_streams_stops_and_frees_cancelled_slots():
+    target = tiny_target()
+    prompt = [3, 5, 7, 9]
+    full = _normal_greedy(target, prompt, 8)
+    text = target.tokenizer.decode(full, skip_special_tokens=True)
+    words = text.split()
+    stop = next(w for i, w in enumerate(words) if i >= 2 and w not in words[:i])  # a later word, first seen there
+    engine = ContinuousEngine(target, NgramDrafter(), EngineConfig(max_batch=1, max_len=64, draft_length=3))
+    engine.start()
+    try:
+        streamed = []
+        stopped = engine.submit(prompt, GREEDY, 8, stop=(stop,), on_text=streamed.append).result(60)
+        assert stopped.finish_reason == "stop" and stopped.text == text[: text.index(stop)] != ""
+        assert "".join(streamed) == stopped.text
+        long = engine.submit(prompt, GREEDY, 40)
+        waiting = engine.submit(prompt, GREEDY, 5)  # one slot: queued behind `long`
+        long.cancel()
+        assert long.result(60).finish_reason == "cancelled"
+        assert waiting.result(60).token_ids == full[:5]
+    finally:
+        engine.stop()
+    assert engine.batched.free_slots == 1 and engine.metrics.requests["cancelled"] == 1
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram", "dspark"])
+def test_engine_sampling_follows_each_requests_seed(drafter_kind):
+    """Temperature 1: each request draws from its own seeded generator exactly as the one-request loop does,
+    so batching with other requests leaves its tokens unchanged (same seed, same tokens)."""
+    target = tiny_target(vocab_size=32, seed=3)
+    drafter = _tiny_dspark(target) if drafter_kind == "dspark" else NgramDrafter()
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    prompts = [[3, 4, 5, 3, 4], [7, 8], [9, 9, 9, 9]]
+    references = [
+        SpeculativeDecoder(target, drafter, draft_length=3).generate(p, params, 10, seed=s)[0].token_ids
+        for s, p in enumerate(prompts)
+    ]
+    engine = ContinuousEngine(target, drafter, EngineConfig(max_batch=3, max_len=32, draft_length=3))
+    engine.start()
+    try:
+        handles = [engine.submit(p, params, 10, seed=s) for s, p in enumerate(prompts)]
+        assert [h.result(60).token_ids for h in handles] == references
+    finally:
+        engine.stop()

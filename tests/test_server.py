@@ -1,0 +1,259 @@
+"""The OpenAI-compatible server, through the official `openai` client and raw HTTP, on the real target."""
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.engine.continuous import ContinuousEngine, EngineConfig
+from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.evaluation.serving_bench import percentile, summarize
+from specdecode.sampling import SamplingParams
+from specdecode.serving.app import BackgroundServer, create_app
+
+MODEL = "smollm2-135m"
+MAX_BATCH, MAX_LEN = 3, 256
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    engine = ContinuousEngine(
+        smollm2, NgramDrafter(), EngineConfig(max_batch=MAX_BATCH, max_len=MAX_LEN, draft_length=4)
+    )
+    with BackgroundServer(create_app(engine, MODEL)) as running:
+        running.engine = engine
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _raw(server, method: str, path: str, body: str | None = None) -> tuple[int, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    return response.status, response.read().decode()
+
+
+def _normal_greedy_text(target, prompt_ids: list[int], max_tokens: int) -> str:
+    return (
+        SpeculativeDecoder(target, Drafter()).generate(prompt_ids, SamplingParams(), max_new_tokens=max_tokens)[0].text
+    )
+
+
+def test_completions_and_chat_non_streaming(client, smollm2, server):
+    prompt = "The three primary colors are red, blue and"
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, seed=1)
+    choice = response.choices[0]
+    assert response.usage.prompt_tokens == len(smollm2.tokenizer.encode(prompt))
+    assert response.usage.completion_tokens == 16 or choice.finish_reason == "stop"
+    spec = response.model_extra["spec_decode"]
+    assert spec["drafter"] == "ngram" and spec["choices"][0]["rounds"] == len(spec["choices"][0]["accepted_lengths"])
+    assert sum(spec["choices"][0]["accepted_lengths"]) >= response.usage.completion_tokens
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0, n=2
+    )
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens > 0
+    assert choice.text == _normal_greedy_text(smollm2, smollm2.tokenizer.encode(prompt), 16)
+
+
+def test_streaming_chat_and_completions(client):
+    messages = [{"role": "user", "content": "Count from one to five."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(final) == 1 and final[0].model_extra["spec_decode"]["new_tokens"] == full.usage.completion_tokens
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens and not chunks[-1].choices
+    completion_chunks = list(
+        client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, stream=True)
+    )
+    assert completion_chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_concurrent_clients_get_their_own_results(client):
+    prompts = ["The sun is", "Python is a", "My favourite food is", "Water boils at", "The cat sat on"]
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0).choices[0].text for p in prompts
+    ]
+    together: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        together[i] = (
+            client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=10, temperature=0).choices[0].text
+        )
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [together[i] for i in range(len(prompts))] == alone
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ("{not json", 400, None),
+        (json.dumps([1, 2]), 400, None),
+        (json.dumps({"model": "gpt-4", "prompt": "hi"}), 404, "model"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": -1}), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": "hi " * (MAX_LEN + 10)}), 400, "prompt"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": MAX_LEN}), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 2}), 400, "logprobs"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}), 400, "temperature"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "top_p": 0}), 400, "top_p"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "n": 0}), 400, "n"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "stop": 5}), 400, "stop"),
+        (json.dumps({"model": MODEL, "prompt": ""}), 400, "prompt"),
+    ],
+)
+def test_bad_completion_requests_get_openai_errors(server, body, status, param):
+    code, text = _raw(server, "POST", "/v1/completions", body)
+    error = json.loads(text)["error"]
+    assert code == status and error["param"] == param and error["message"]
+
+
+def test_bad_chat_requests_and_routes(server, client):
+    code, text = _raw(server, "POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "x"}]}))
+    assert code == 400 and json.loads(text)["error"]["param"] == "messages"
+    code, text = _raw(server, "GET", "/v1/nothing")
+    assert code == 404 and "error" in json.loads(text)
+    with pytest.raises(openai.BadRequestError, match="unsupported parameter 'tools'"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f"}}],
+        )
+    assert client.completions.create(model=MODEL, prompt="Still", max_tokens=2).usage.completion_tokens >= 1
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert _raw(server, "GET", "/health")[0] == 200
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_]+="[^"]*"(,[a-zA-Z_]+="[^"]*")*\})? (\S+)$')
+
+
+def test_metrics_parse_as_prometheus_text(server, client):
+    client.completions.create(model=MODEL, prompt="Metrics", max_tokens=4)
+    code, text = _raw(server, "GET", "/metrics")
+    assert code == 200
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            assert line.split()[3] in ("counter", "gauge", "histogram")
+            continue
+        match = _SAMPLE.match(line)
+        assert match, f"not a Prometheus sample line: {line!r}"
+        samples[match.group(1) + (match.group(2) or "")] = float(match.group(4))
+    for name in (
+        "specdecode_mean_accepted_length",
+        "specdecode_queue_length",
+        "specdecode_generation_tokens_total",
+        "specdecode_time_to_first_token_seconds_count",
+        "specdecode_inter_token_latency_seconds_count",
+        "specdecode_verify_batch_requests_count",
+        'specdecode_position_acceptance{position="1"}',
+    ):
+        assert name in samples, name
+    assert samples['specdecode_requests_total{status="finished"}'] >= 1
+    assert samples["specdecode_mean_accepted_length"] >= 1
+    buckets = [v for k, v in samples.items() if k.startswith("specdecode_verify_batch_tokens_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == samples["specdecode_verify_batch_tokens_count"]
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(server):
+    engine = server.engine
+    before = dict(engine.metrics.requests)
+    body = json.dumps({"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 200, "stream": True, "temperature": 0})
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    deadline = time.monotonic() + 60
+    while not (engine.idle and engine.batched.free_slots == MAX_BATCH):
+        assert time.monotonic() < deadline, "the slot was not freed"
+        time.sleep(0.05)
+    after = engine.metrics.requests
+    assert (after["cancelled"], after["finished"]) == (before["cancelled"] + 1, before["finished"]), after
+
+
+def test_sigterm_drains_running_requests():
+    """`specdecode serve` in a subprocess: SIGTERM mid-stream lets the stream finish, then the process exits."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "specdecode.cli",
+        "serve",
+        "--target",
+        MODEL,
+        "--drafter",
+        "none",
+        "--max-batch",
+        "2",
+        "--max-len",
+        "128",
+        "--port",
+        "0",
+    ]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        port = None
+        for line in process.stderr:
+            found = re.search(r"running on http://127\.0\.0\.1:(\d+)", line, re.IGNORECASE)
+            if found:
+                port = int(found.group(1))
+                break
+        assert port, "the server did not report its port"
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        body = json.dumps(
+            {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 24, "stream": True, "temperature": 0}
+        )
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.readline().startswith(b"data: ")
+        process.send_signal(signal.SIGTERM)
+        rest = response.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]")
+        finals = [json.loads(x[6:]) for x in rest.splitlines() if x.startswith("data: {")]
+        assert finals[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+        # uvicorn re-raises the signal once it has shut down gracefully, so the exit is by SIGTERM, after the drain
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stderr.close()
+
+
+def test_load_summary_percentiles():
+    assert percentile([], 50) is None and percentile([1.0, 3.0], 50) == 2.0 and percentile([5.0], 99) == 5.0
+    from specdecode.evaluation.serving_bench import RequestTiming
+
+    timings = [RequestTiming(start=0.0, end=1.0, chunks=[0.2, 0.5, 1.0], tokens=5, mean_accepted_length=1.5)]
+    level = summarize(timings, wall_s=1.0, clients=1)
+    assert level["output_tokens_per_s"] == 5.0 and level["ttft_ms_p50"] == 200.0 and level["itl_ms_p50"] == 400.0
+    assert level["tpot_ms_mean"] == 200.0 and level["mean_accepted_length"] == 1.5
