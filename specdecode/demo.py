@@ -3,6 +3,7 @@
 import sys
 
 from specdecode.drafters import Drafter, build_drafter
+from specdecode.drafters.shipped import shipped_drafter
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.evaluation.baselines import PROMPT_GROUPS
 from specdecode.models.target import Target
@@ -12,17 +13,14 @@ from specdecode.sampling import SamplingParams
 DEMO_PROMPTS = (*PROMPT_GROUPS["repeat"][:2], PROMPT_GROUPS["chat"][1])
 
 
-def best_available_drafter(target: Target) -> str:
-    """The strongest drafter that needs nothing beyond the target: prompt lookup."""
-    return "ngram"
-
-
-def run_demo(target: Target, drafter_spec: str | None, max_new_tokens: int) -> None:
-    drafter_spec = drafter_spec or best_available_drafter(target)
+def run_demo(target: Target, drafter_spec: str, max_new_tokens: int) -> None:
+    drafter = build_drafter(drafter_spec, target)
     normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
-    speculative = SpeculativeDecoder(target, build_drafter(drafter_spec, target), draft_length=8)
+    speculative = SpeculativeDecoder(target, drafter, draft_length=8)
     params = SamplingParams(temperature=0.0)
     rows = []
+    shipped = shipped_drafter(target.name) if drafter_spec == "default" else None
+    drafter_spec = f"{drafter.name} (shipped with specdecode)" if shipped else drafter.name
     print(f"target {target.name} on {target.device}, drafter {drafter_spec}, temperature 0\n")
     for n, prompt in enumerate(DEMO_PROMPTS, 1):
         ids = target.encode(prompt)

@@ -14,7 +14,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 from specdecode.training.data import Example
-from specdecode.training.eagle3_losses import training_losses, ttt_attention_mask, ttt_unroll
+from specdecode.training.eagle3_losses import sample_anchors, training_losses, ttt_attention_mask, ttt_unroll
 from specdecode.training.features import FeatureBatch, OfflineFeatures, write_feature_cache
 from specdecode.training.recipes import draft_vocabulary, target_shape
 from specdecode.training.run import run_training
@@ -251,3 +251,22 @@ def test_training_end_to_end_from_a_feature_cache(tmp_path):
     prompt = examples[0].input_ids[:5].tolist()
     reference = SpeculativeDecoder(target, Drafter(), 0).generate(prompt, SamplingParams(), 16)[0].token_ids
     assert SpeculativeDecoder(target, drafter, 3).generate(prompt, SamplingParams(), 16)[0].token_ids == reference
+
+
+def test_anchored_unroll_equals_the_full_unroll_at_the_anchors():
+    """Unrolling only sampled indices past step 0 computes exactly what the full unroll computes there."""
+    target = tiny_target(VOCAB)
+    model = make_model(target, steps=3)
+    batch = batch_of(target, random_ids((2, 12), 4))
+    valid = batch.attention_mask.clone()
+    anchors, ok = sample_anchors(valid, 5, torch.Generator().manual_seed(0))
+    assert ok.all() and anchors.shape == (2, 5)
+    with torch.no_grad():
+        full = ttt_unroll(model, batch.layer_hidden, batch.input_ids, batch.attention_mask, 3)
+        anchored = ttt_unroll(model, batch.layer_hidden, batch.input_ids, batch.attention_mask, 3, anchors)
+    for f, a in zip(full, anchored, strict=True):
+        torch.testing.assert_close(a, f.gather(1, anchors[..., None].expand(-1, -1, f.shape[-1])), rtol=1e-5, atol=1e-5)
+    few = torch.zeros(1, 12, dtype=torch.bool)
+    few[0, [3, 7]] = True
+    anchors, ok = sample_anchors(few, 4, torch.Generator())
+    assert ok.sum() == 2 and set(anchors[ok].tolist()) == {3, 7}

@@ -1,4 +1,5 @@
-"""Drafters: `none` (normal decoding), `ngram`, `draft-model`, and trained drafters loaded from a folder."""
+"""Drafters: `none` (normal decoding), `ngram`, `draft-model`, the shipped `default`, and trained drafters
+loaded from a folder."""
 
 from pathlib import Path
 
@@ -6,13 +7,18 @@ from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
 
-BUILTIN_DRAFTERS = ("none", "ngram", "draft-model")
+BUILTIN_DRAFTERS = ("default", "none", "ngram", "draft-model")
 
 __all__ = ["BUILTIN_DRAFTERS", "Drafter", "Proposal", "TargetFeatures", "build_drafter"]
 
 
 def build_drafter(spec: str, target: Target, draft_model: str | None = None) -> Drafter:
-    """Make the drafter named by `spec` for `target`."""
+    """Make the drafter named by `spec` for `target`; `default` is the shipped drafter, else `ngram`."""
+    if spec == "default":
+        from specdecode.drafters.shipped import shipped_drafter
+
+        shipped = shipped_drafter(target.name)
+        spec = str(shipped) if shipped else "ngram"
     if spec == "none":
         return Drafter()
     if spec == "ngram":

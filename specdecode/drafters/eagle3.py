@@ -45,6 +45,7 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     ttt_steps: int = 7  # drafting steps unrolled in training
     step_weight_decay: float = 0.8  # step j's loss weight is decay**j
+    num_anchors: int = 32  # indices per sequence unrolled and scored in training; 0 = all
 
     @property
     def kind(self) -> str:

@@ -2,6 +2,8 @@
 
 Invariant: the target's KV cache holds every committed token but the last one. Each round feeds that
 last token plus the k drafts (k + 1 positions, one pass), so normal decoding is the same loop with k = 0.
+In tree mode the drafts form a tree rooted at that last token: one pass with a tree attention mask
+verifies every node, and only the accepted path's KV entries stay in the cache.
 """
 
 import time
@@ -10,12 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, TargetFeatures
+from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures, TreeProposal, TreeSettings
 from specdecode.engine.stats import DecodeStats
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams, probabilities
-from specdecode.verify import verify_chain, verify_greedy
+from specdecode.verify import ChainResult, verify_chain, verify_greedy, verify_tree, verify_tree_greedy
 
 
 @dataclass
@@ -27,15 +29,20 @@ class Completion:
 
 
 class SpeculativeDecoder:
-    """Runs one target and one drafter; `drafter=Drafter()` is normal decoding."""
+    """Runs one target and one drafter; `drafter=Drafter()` is normal decoding; `tree` switches to tree drafts."""
 
-    def __init__(self, target: Target, drafter: Drafter, draft_length: int = 8) -> None:
+    def __init__(
+        self, target: Target, drafter: Drafter, draft_length: int = 8, tree: TreeSettings | None = None
+    ) -> None:
         if draft_length < 0:
             raise SpecDecodeError(f"draft length must be >= 0, got {draft_length}")
+        if tree is not None:
+            check_tree_settings(tree)
         drafter.check_target(target)
         self.target = target
         self.drafter = drafter
         self.draft_length = draft_length
+        self.tree = tree
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -90,36 +97,25 @@ class SpeculativeDecoder:
         while len(ids) - len(prompt_ids) < limit:
             room = limit - (len(ids) - len(prompt_ids)) - 1  # drafts beyond the limit would be wasted
             t0 = time.perf_counter()
-            proposal = drafter.propose(ids, min(self.draft_length, room)) if room > 0 else EMPTY_PROPOSAL
+            proposal = self._propose(ids, room)
             t1 = time.perf_counter()
-            out = target.forward(torch.cat([torch.tensor(ids[-1:]), proposal.tokens]))
-            if params.greedy:
-                result = verify_greedy(out.logits.argmax(-1).cpu(), proposal.tokens)
-            else:
-                p = probabilities(out.logits, params).cpu()
-                result = verify_chain(p, proposal.tokens, proposal.probs, generator)
-            target.rollback(len(ids) + result.num_accepted)
+            result, kept_features = self._verify(ids, proposal, params, generator)
             t2 = time.perf_counter()
-            stats.record_round(proposal.length, result.num_accepted)
+            stats.record_round(_draft_depth(proposal), result.num_accepted)
             new = result.tokens[: limit - (len(ids) - len(prompt_ids))]
             hit_eos = next((j for j, t in enumerate(new) if t in eos), None)
             if hit_eos is not None:
                 new = new[: hit_eos + 1]
             ids += new
-            kept = result.num_accepted + 1
-            drafter.observe(
-                ids,
-                result.num_accepted,
-                TargetFeatures(None if out.layer_hidden is None else out.layer_hidden[:kept], out.last_hidden[:kept]),
-            )
+            drafter.observe(ids, result.num_accepted, kept_features)
             stats.draft_s += (t1 - t0) + (time.perf_counter() - t2)
             stats.verify_s += t2 - t1
-            text, stopped = _visible_text(target.tokenizer, ids[len(prompt_ids) :], stop)
+            text, stopped = visible_text(target.tokenizer, ids[len(prompt_ids) :], stop)
             if stopped or hit_eos is not None:
                 finish = "stop"
                 break
             if emit:
-                shown = _stream_safe(text, stop)
+                shown = stream_safe(text, stop)
                 if len(shown) > len(streamed):
                     emit(shown[len(streamed) :])
                     streamed = shown
@@ -130,15 +126,85 @@ class SpeculativeDecoder:
         stats.wall_s = time.perf_counter() - start
         return Completion(token_ids=generated, text=text, finish_reason=finish, stats=stats)
 
+    def _propose(self, ids: list[int], room: int) -> Proposal | TreeProposal:
+        """A chain of at most `draft_length` drafts, or a tree; none when no draft could be committed."""
+        if room <= 0:
+            return EMPTY_PROPOSAL
+        if self.tree is not None:
+            return self.drafter.propose_tree(ids, self.tree, max_depth=room)
+        return self.drafter.propose(ids, min(self.draft_length, room))
 
-def _visible_text(tokenizer, generated: list[int], stop: tuple[str, ...]) -> tuple[str, bool]:
+    def _verify(
+        self, ids: list[int], proposal: Proposal | TreeProposal, params: SamplingParams, generator: torch.Generator
+    ) -> tuple[ChainResult, TargetFeatures]:
+        """One target pass over the last committed token and the drafts; accept; keep the accepted KV only.
+
+        Returns the result and the target's features of the kept positions (the root, then the accepted drafts).
+        """
+        target, tree = self.target, isinstance(proposal, TreeProposal)
+        start = len(ids) - 1  # the root's position: the cache holds every committed token but the last
+        mask, positions = tree_attention(proposal.parents, start, target.device) if tree else (None, None)
+        out = target.forward(
+            torch.cat([torch.tensor(ids[-1:]), proposal.tokens]), position_ids=positions, attention_mask=mask
+        )
+        if params.greedy:
+            argmax = out.logits.argmax(-1).cpu()
+            result = verify_tree_greedy(argmax, proposal) if tree else verify_greedy(argmax, proposal.tokens)
+        elif tree:
+            result = verify_tree(probabilities(out.logits, params).cpu(), proposal, generator)
+        else:
+            result = verify_chain(probabilities(out.logits, params).cpu(), proposal.tokens, proposal.probs, generator)
+        path = result.path if tree else range(result.num_accepted)
+        rows = [0] + [node + 1 for node in path]
+        target.keep_path(start, rows)
+        index = torch.tensor(rows, device=out.last_hidden.device)
+        layer_hidden = None if out.layer_hidden is None else out.layer_hidden.index_select(0, index)
+        return result, TargetFeatures(layer_hidden, out.last_hidden.index_select(0, index))
+
+
+def check_tree_settings(tree: TreeSettings) -> None:
+    """Raise on settings that would draft no tree; the CLI calls this before loading anything."""
+    if min(tree.steps, tree.branches, tree.num_tokens) < 1:
+        raise SpecDecodeError(
+            f"tree steps, branches and tokens must all be >= 1, got {tree.steps},{tree.branches},{tree.num_tokens}"
+        )
+
+
+def tree_attention(
+    parents: torch.Tensor, start: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-D boolean mask (1, 1, N+1, start+N+1) and positions (1, N+1) of a tree pass over root + N nodes.
+
+    Each row sees the whole cache (`start` committed positions), the root, its ancestors and itself, so a
+    node's hidden state is what a plain causal pass over its root-to-node path computes; its position is
+    the root's (`start`) plus its depth. True means "may attend", which HF passes to SDPA as it is.
+    """
+    n = parents.numel()
+    seen = torch.eye(n + 1, dtype=torch.bool)
+    for i, parent in enumerate(parents.tolist()):
+        if not -1 <= parent < i:
+            raise SpecDecodeError(f"tree node {i} has parent {parent}: parents must precede their children")
+        seen[i + 1] |= seen[parent + 1]  # the parent's row already holds the root and the parent's ancestors
+    mask = torch.cat([torch.ones(n + 1, start, dtype=torch.bool), seen], dim=1)
+    positions = start + seen.sum(dim=1) - 1  # depth: the number of ancestors, root included
+    return mask[None, None].to(device), positions[None].to(device)
+
+
+def _draft_depth(proposal: Proposal | TreeProposal) -> int:
+    """Draft positions a round could fill: a chain's length or a tree's depth (its per-position statistics)."""
+    if isinstance(proposal, TreeProposal):
+        return int(proposal.depths().max()) if proposal.length else 0
+    return proposal.length
+
+
+def visible_text(tokenizer, generated: list[int], stop: tuple[str, ...]) -> tuple[str, bool]:
     """The completion's text, cut before the first stop string; and whether one was found."""
     text = tokenizer.decode(generated, skip_special_tokens=True)
     hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return (text[: min(hits)], True) if hits else (text, False)
 
 
-def _stream_safe(text: str, stop: tuple[str, ...]) -> str:
+def stream_safe(text: str, stop: tuple[str, ...]) -> str:
     """What may be streamed now: hold back a partial UTF-8 character and a possible stop-string start."""
     hold = max((len(s) - 1 for s in stop), default=0)
     shown = text[: len(text) - hold] if hold else text

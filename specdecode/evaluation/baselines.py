@@ -9,13 +9,15 @@ import statistics
 
 from tqdm import tqdm
 
-from specdecode.drafters import BUILTIN_DRAFTERS, build_drafter
+from specdecode.drafters import build_drafter
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.engine.stats import DecodeStats
 from specdecode.evaluation.load import measure_quietly
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
+
+TRAINING_FREE = ("none", "ngram", "draft-model")
 
 PROMPT_GROUPS = {
     "repeat": (
@@ -38,7 +40,7 @@ PROMPT_GROUPS = {
 def run_baselines(target: Target, draft_length: int, max_new_tokens: int, repeats: int, out_dir: str) -> dict:
     decoders = {
         name: SpeculativeDecoder(target, build_drafter(name, target), 0 if name == "none" else draft_length)
-        for name in BUILTIN_DRAFTERS
+        for name in TRAINING_FREE
     }
     params = SamplingParams()
     cells: dict[tuple[str, str, int], list] = {}  # (drafter, group, prompt index) -> completions
@@ -54,7 +56,7 @@ def run_baselines(target: Target, draft_length: int, max_new_tokens: int, repeat
     runs = []
     for group, prompts in PROMPT_GROUPS.items():
         normal_wall = _group_wall(cells, "none", group, len(prompts))
-        for name in BUILTIN_DRAFTERS:
+        for name in TRAINING_FREE:
             completions = [cells[(name, group, i)] for i in range(len(prompts))]
             new_tokens = sum(c[0].stats.new_tokens for c in completions)
             wall = _group_wall(cells, name, group, len(prompts))

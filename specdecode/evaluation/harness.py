@@ -12,11 +12,13 @@ normal decoding measured in the same run.
 import json
 import math
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 
 from tqdm import tqdm
 
 from specdecode.drafters import Drafter, build_drafter
+from specdecode.drafters.base import TreeSettings
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.engine.stats import DecodeStats
 from specdecode.evaluation.benchmarks import load_benchmark, load_jsonl_benchmark
@@ -64,7 +66,9 @@ def run_eval(
     draft_length: int = 7,
     max_new_tokens: int = 256,
     seed: int = 0,
+    tree: TreeSettings | None = None,
 ) -> dict:
+    """`tree` switches every drafter (not normal decoding) to tree drafting with those settings."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cells_path = out / f"{name}.cells.jsonl"
@@ -78,7 +82,7 @@ def run_eval(
             done[(cell["benchmark"], cell["item"], cell["temperature"], cell["drafter"])] = cell
     variants = {"none": SpeculativeDecoder(target, Drafter(), 0)}
     for spec in drafters:
-        variants[drafter_label(spec)] = SpeculativeDecoder(target, build_drafter(spec, target), draft_length)
+        variants[drafter_label(spec)] = SpeculativeDecoder(target, build_drafter(spec, target), draft_length, tree)
     work = [(b, item) for b in benchmarks for item in _items(b, limit)]
     with open(cells_path, "a") as sink:
         for benchmark, item in tqdm(work, desc="eval", unit="prompt"):
@@ -105,7 +109,7 @@ def run_eval(
                     sink.write(json.dumps(cell) + "\n")
                     sink.flush()
                     done[key] = cell
-    runs = _aggregate(done, benchmarks, temperatures, list(variants), draft_length)
+    runs = _aggregate(done, benchmarks, temperatures, list(variants), draft_length, tree)
     table = _table(runs)
     plots = _plots(runs, out, name)
     write_results(
@@ -121,7 +125,7 @@ def run_eval(
     return {"runs": runs}
 
 
-def _aggregate(cells: dict, benchmarks, temperatures, labels, draft_length) -> list[dict]:
+def _aggregate(cells: dict, benchmarks, temperatures, labels, draft_length, tree) -> list[dict]:
     runs = []
     for benchmark in benchmarks:
         for temperature in temperatures:
@@ -169,7 +173,7 @@ def _aggregate(cells: dict, benchmarks, temperatures, labels, draft_length) -> l
                     "benchmark": benchmark,
                     "temperature": temperature,
                     "draft_length": 0 if label == "none" else draft_length,
-                    "tree": None,
+                    "tree": None if label == "none" or tree is None else asdict(tree),
                     "prompts": len(mine),
                     "new_tokens": stats.new_tokens,
                     "mean_accepted_length": round(stats.mean_accepted_length, 3),

@@ -192,11 +192,47 @@ class Target:
             layer_hidden = torch.cat([self._captured[i][0] for i in self.capture_layers], dim=-1)
         return PassOutput(logits=None, layer_hidden=layer_hidden, last_hidden=out.last_hidden_state[0])
 
+    @torch.inference_mode()
+    def forward_rows(
+        self, ids: torch.Tensor, cache, position_ids: torch.Tensor, attention_mask: torch.Tensor, logits: bool = True
+    ) -> PassOutput:
+        """One pass over several requests' new positions `ids` (R, Q) with a caller-owned cache (the batched
+        verify pass of `engine/batch.py`); every output keeps its row dimension: (R, Q, ...)."""
+        self._captured.clear()
+        out = self.model.model(
+            input_ids=ids.to(self.device),
+            cache=cache,
+            use_cache=True,
+            position_ids=position_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+        )
+        last = out.last_hidden_state
+        layer_hidden = None
+        if self.capture_layers:
+            layer_hidden = torch.cat([self._captured[i] for i in self.capture_layers], dim=-1)
+        return PassOutput(logits=self.lm_head(last) if logits else None, layer_hidden=layer_hidden, last_hidden=last)
+
     def rollback(self, length: int) -> None:
         """Keep the first `length` cached positions; drop the KV of rejected drafts."""
         excess = self.cache_length - length
         if excess > 0:
             self.cache.crop(-excess)
+
+    @torch.inference_mode()  # the cache holds inference tensors, which only change in place in this mode
+    def keep_path(self, start: int, offsets: list[int]) -> None:
+        """Move the cached positions `start + offsets[j]` to `start + j` in every layer and drop the rest.
+
+        After a tree pass this keeps the accepted path only. Its keys need no re-rotation: a node at depth d
+        was computed at position start + d, the slot it moves to. Entries already in place are not copied, so
+        for a chain this is a rollback.
+        """
+        moved = next((j for j, offset in enumerate(offsets) if offset != j), len(offsets))
+        if moved < len(offsets):
+            source = torch.tensor(offsets[moved:], device=self.device) + start
+            for layer in self.cache.layers:
+                layer.keys[:, :, start + moved : start + len(offsets)] = layer.keys.index_select(2, source)
+                layer.values[:, :, start + moved : start + len(offsets)] = layer.values.index_select(2, source)
+        self.rollback(start + len(offsets))
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.config)

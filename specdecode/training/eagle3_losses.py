@@ -6,6 +6,11 @@ self-made features), at RoPE position t+j, and predicts token t+2+j. A query of 
 step-0 keys 0..t (the true-feature context) and the keys of steps 1..j at index t (its own chain), which
 is what chain drafting sees at inference.
 
+Only `num_anchors` random indices per sequence are unrolled past step 0 and scored (all of them with
+`num_anchors=0`): the LM heads over every index and 7 steps would cost ~6x DSpark's anchored blocks on a
+CPU, and 32 anchors x 7 steps is the same number of supervised predictions per sequence as DSpark's and
+DFlash's 32 blocks of 7, which keeps the three drafters' training budgets comparable.
+
 Loss per step: soft cross-entropy against the target's next-token distribution renormalised over the
 draft vocabulary, where the target's argmax lies in the draft vocabulary and the predicted token is an
 answer token; steps weighted decay**j and summed (EAGLE-3 / SpecForge / DeepSpec: 7 steps, 0.8).
@@ -22,12 +27,16 @@ if TYPE_CHECKING:
 TEACHER_CHUNK_ROWS = 512  # target logits are computed this many positions at a time (49k floats each)
 
 
-def ttt_attention_mask(step: int, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, (step + 1) * T) boolean over [step-0 keys, step-1 keys, ..., step-`step` keys]: causal over
-    the (non-padding) step-0 keys, the diagonal of every later step."""
+def ttt_attention_mask(step: int, attention_mask: torch.Tensor, anchors: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, 1, S, T + step * S) boolean over [step-0 keys, step-1 keys, ..., step-`step` keys] for queries at
+    `anchors` (B, S) (default: every index, S = T): causal over the (non-padding) step-0 keys, the diagonal
+    of every later step."""
     b, t = attention_mask.shape
-    causal = torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).tril() & attention_mask[:, None, :]
-    diagonal = torch.eye(t, dtype=torch.bool, device=attention_mask.device).expand(b, t, t)
+    device = attention_mask.device
+    if anchors is None:
+        anchors = torch.arange(t, device=device).expand(b, t)
+    causal = (torch.arange(t, device=device) <= anchors[..., None]) & attention_mask[:, None, :]
+    diagonal = torch.eye(anchors.shape[1], dtype=torch.bool, device=device).expand(b, -1, -1)
     return torch.cat([causal] + [diagonal] * step, dim=-1)[:, None]
 
 
@@ -38,76 +47,90 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-@torch.no_grad()
-def teacher(model: "Eagle3Model", last_hidden: torch.Tensor, needed: torch.Tensor):
-    """The target's probabilities of the draft tokens (B, T, N), over its whole vocabulary, and its argmax
-    (B, T), at the `needed` positions only, a chunk of rows at a time (the full logits would not fit)."""
-    b, t, _ = last_hidden.shape
-    draft_ids = model.draft_ids
-    probs = last_hidden.new_zeros(b, t, len(draft_ids), dtype=torch.float32)
-    argmax = torch.zeros(b, t, dtype=torch.long, device=last_hidden.device)
-    rows_b, rows_t = needed.nonzero(as_tuple=True)
-    for start in range(0, len(rows_b), TEACHER_CHUNK_ROWS):
-        bi, ti = rows_b[start : start + TEACHER_CHUNK_ROWS], rows_t[start : start + TEACHER_CHUNK_ROWS]
-        logits = model.target_logits(last_hidden[bi, ti])
-        probs[bi, ti] = (logits[:, draft_ids] - logits.logsumexp(-1, keepdim=True)).exp()
-        argmax[bi, ti] = logits.argmax(-1)
-    return probs, argmax
+def sample_anchors(valid: torch.Tensor, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `count` distinct random indices per row among the `valid` ones (B, T): indices (B, S) and which
+    of them are real (rows with fewer valid indices are padded with invalid ones)."""
+    b, t = valid.shape
+    s = min(count, t)
+    keys = torch.rand(b, t, generator=generator).to(valid.device) + (~valid).float() * 2  # valid ones sort first
+    anchors = keys.argsort(-1)[:, :s].sort(-1).values
+    return anchors, valid.gather(1, anchors)
 
 
-def ttt_unroll(model: "Eagle3Model", layer_hidden, ids, attention_mask, steps: int) -> list[torch.Tensor]:
-    """The drafter's output hidden states (B, T, H) of every unrolled step; step j at index t has read
-    token t+1+j and predicts token t+2+j."""
+def ttt_unroll(model: "Eagle3Model", layer_hidden, ids, attention_mask, steps: int, anchors=None) -> list[torch.Tensor]:
+    """The drafter's output hidden states of every unrolled step at `anchors` (B, S) (default: every index):
+    step j at index t has read token t+1+j and predicts token t+2+j. Step 0 runs on the whole sequence (its
+    keys are every later step's context); steps >= 1 only at the anchors, each seeing its own chain."""
     b, t = ids.shape
-    hidden, past_k, past_v, outs = model.fuse(layer_hidden), None, None, []
     positions = torch.arange(t, device=ids.device).expand(b, t)
-    for j in range(steps):
-        mask = ttt_attention_mask(j, attention_mask)
-        hidden, k, v = model.step(hidden, shift_left(ids, j + 1), positions + j, past_k, past_v, mask)
-        past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
-        past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
+    if anchors is None:
+        anchors = positions
+    hidden, k, v = model.step(
+        model.fuse(layer_hidden), shift_left(ids, 1), positions, None, None, ttt_attention_mask(0, attention_mask)
+    )
+    past_k, past_v = k, v
+    hidden = hidden.gather(1, anchors[..., None].expand(-1, -1, hidden.shape[-1]))
+    outs = [hidden]
+    for j in range(1, steps):
+        tokens = shift_left(ids, j + 1).gather(1, anchors)
+        mask = ttt_attention_mask(j, attention_mask, anchors)
+        hidden, k, v = model.step(hidden, tokens, anchors + j, past_k, past_v, mask)
+        past_k, past_v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
         outs.append(hidden)
     return outs
+
+
+@torch.no_grad()
+def teacher(model: "Eagle3Model", last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's probabilities of the draft tokens (M, N) over its whole vocabulary, and its argmax (M,),
+    from final-normed hidden states (M, H), a chunk of rows at a time (the full logits are large)."""
+    draft_ids = model.draft_ids
+    probs, argmax = [], []
+    for chunk in last_hidden.split(TEACHER_CHUNK_ROWS):
+        logits = model.target_logits(chunk)
+        probs.append((logits[:, draft_ids] - logits.logsumexp(-1, keepdim=True)).exp())
+        argmax.append(logits.argmax(-1))
+    return torch.cat(probs), torch.cat(argmax)
 
 
 def training_losses(model: "Eagle3Model", batch: "FeatureBatch", generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The weighted TTT loss and, per step, accuracy and the acceptance numbers of `block_losses`."""
     c = model.config
     ids = batch.input_ids
-    b, t = ids.shape
     supervised = batch.loss_mask & batch.attention_mask  # token at this position is an answer token
-    teaches = shift_left(supervised, 1)  # the target's distribution here is a label's
-    p_target, target_argmax = teacher(model, batch.last_hidden, teaches)
-    in_vocab = model.t2d[target_argmax]
+    count = c.num_anchors if c.num_anchors > 0 else ids.shape[1]
+    anchors, anchor_ok = sample_anchors(shift_left(supervised, 2), count, generator)
 
-    shape = (b, t, c.ttt_steps)
-    valid = torch.zeros(shape, dtype=torch.bool, device=ids.device)  # step j at index t predicts an answer token
+    shape = (*anchors.shape, c.ttt_steps)
+    valid = torch.zeros(shape, dtype=torch.bool, device=ids.device)  # step j at the anchor predicts an answer token
     correct, greedy_match = torch.zeros_like(valid), torch.zeros_like(valid)
     alpha = torch.zeros(shape, device=ids.device)
-    step_losses = []
-    for j, out in enumerate(ttt_unroll(model, batch.layer_hidden, ids, batch.attention_mask, c.ttt_steps)):
-        rows = shift_left(supervised, j + 2)
-        rows_b, rows_t = rows.nonzero(as_tuple=True)
-        log_q = model.draft_logits(out[rows_b, rows_t]).float().log_softmax(-1)  # (M, N)
-        p_full = p_target[rows_b, rows_t + 1 + j]  # the target's distribution of token t+2+j
-        trained = in_vocab[rows_b, rows_t + 1 + j].float()
+    step_losses, covered, taught = [], 0, 0
+    for j, out in enumerate(ttt_unroll(model, batch.layer_hidden, ids, batch.attention_mask, c.ttt_steps, anchors)):
+        rows = anchor_ok & shift_left(supervised, j + 2).gather(1, anchors)
+        rows_b, rows_s = rows.nonzero(as_tuple=True)
+        predicted_at = anchors[rows_b, rows_s] + 1 + j  # the target's distribution there is of token t+2+j
+        p_full, target_argmax = teacher(model, batch.last_hidden[rows_b, predicted_at])
+        trained = model.t2d[target_argmax].float()
+        log_q = model.draft_logits(out[rows_b, rows_s]).float().log_softmax(-1)  # (M, N)
         p_draft_vocab = p_full / p_full.sum(-1, keepdim=True).clamp_min(1e-12)
         ce = -(p_draft_vocab * log_q).sum(-1)
         step_losses.append((ce * trained).sum() / trained.sum().clamp_min(1))
+        covered, taught = covered + trained.sum(), taught + len(trained)
 
         with torch.no_grad():
             q = log_q.exp()
             drafted = model.draft_ids[log_q.argmax(-1)]
             tv = 0.5 * ((q - p_full).abs().sum(-1) + (1 - p_full.sum(-1)).clamp_min(0))  # p_full's mass off-vocab
             valid[..., j] = rows
-            alpha[rows_b, rows_t, j] = (1 - tv).clamp(0, 1)
-            correct[rows_b, rows_t, j] = drafted == ids[rows_b, rows_t + 2 + j]
-            greedy_match[rows_b, rows_t, j] = drafted == target_argmax[rows_b, rows_t + 1 + j]
+            alpha[rows_b, rows_s, j] = (1 - tv).clamp(0, 1)
+            correct[rows_b, rows_s, j] = drafted == ids[rows_b, predicted_at + 1]
+            greedy_match[rows_b, rows_s, j] = drafted == target_argmax
 
     result = {
         "loss": sum(c.step_weight_decay**j * step_loss for j, step_loss in enumerate(step_losses)),
         "soft_ce": torch.stack(step_losses).mean().detach(),  # unweighted mean over steps
-        "draft_vocab_coverage": (in_vocab & teaches).sum() / teaches.sum().clamp_min(1),
+        "draft_vocab_coverage": torch.as_tensor(covered / max(taught, 1)),
     }
     result.update(acceptance_metrics(valid, correct, greedy_match, alpha))
     return result

@@ -101,6 +101,7 @@ def build_eagle3_drafter(
     draft_vocab_size: int = DEFAULT_DRAFT_VOCAB,
     ttt_steps: int = 7,
     target_layer_ids: list[int] | None = None,
+    num_anchors: int = 32,
 ) -> Eagle3Model:
     """A fresh EAGLE-3 drafter whose draft vocabulary is counted on `examples` (the training set)."""
     if ttt_steps < 1:
@@ -112,6 +113,7 @@ def build_eagle3_drafter(
         draft_vocab_size=len(draft_ids),
         target_layer_ids=target_layer_ids or eagle3_layer_ids(c.num_hidden_layers),
         ttt_steps=ttt_steps,
+        num_anchors=num_anchors,
     )
     head = target.model.get_output_embeddings()
     model = Eagle3Model(config, target.model.get_input_embeddings(), head, draft_ids)

