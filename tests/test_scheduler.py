@@ -128,3 +128,42 @@ def test_replay_counts_tokens_and_costs():
     assert full["tokens_per_s"] == pytest.approx(full["tokens_per_step"] / 0.02)
     normal = replay(rounds, confidences, fixed(0), 2, costs, draft_s=0.005, trials=10)
     assert normal["tokens_per_step"] == 2 and normal["tokens_per_s"] == pytest.approx(200.0)  # no drafting cost
+
+
+@pytest.mark.parametrize("mode", ["prefix", "threshold"])
+def test_scheduled_decoding_stays_lossless(mode, tmp_path, monkeypatch):
+    """Verifying only a confident prefix of each DSpark block changes speed, never the output."""
+    from collections import Counter
+
+    from specdecode.drafters.base import Drafter
+    from specdecode.drafters.dspark import BlockDrafter
+    from specdecode.engine.decode import SpeculativeDecoder
+    from specdecode.sampling import SamplingParams
+    from tests.conftest import tiny_target
+    from tests.test_dspark import make_model
+    from tests.test_lossless import exact_two_token_distribution
+    from tests.test_verify import chi_square_pvalue
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the SPS table is profiled into a fresh cache
+    target = tiny_target(vocab_size=12)
+    decoder = SpeculativeDecoder(target, BlockDrafter(make_model(target)), 4, scheduler=mode, threshold=0.3)
+    prompt = [3, 4, 5, 6]
+    greedy = decoder.generate(prompt, SamplingParams(), max_new_tokens=30)[0]
+    reference = SpeculativeDecoder(target, Drafter(), 0).generate(prompt, SamplingParams(), max_new_tokens=30)[0]
+    assert greedy.token_ids == reference.token_ids
+    params = SamplingParams(temperature=1.0)
+    n = 3000
+    completions = decoder.generate(prompt, params, max_new_tokens=2, seed=3, num_samples=n)
+    counts = Counter(tuple(c.token_ids) for c in completions)
+    assert chi_square_pvalue(counts, exact_two_token_distribution(target, prompt, params), n) > 1e-3
+
+
+def test_scheduler_needs_confidences():
+    from specdecode.drafters.ngram import NgramDrafter
+    from specdecode.engine.decode import SpeculativeDecoder
+    from tests.conftest import tiny_target
+
+    with pytest.raises(SpecDecodeError, match="confidences"):
+        SpeculativeDecoder(tiny_target(), NgramDrafter(), 4, scheduler="prefix")
+    with pytest.raises(SpecDecodeError, match="unknown scheduler"):
+        SpeculativeDecoder(tiny_target(), NgramDrafter(), 4, scheduler="global")

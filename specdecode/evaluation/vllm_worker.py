@@ -19,6 +19,8 @@ def main() -> None:
     parser.add_argument("--speculative", default="none", help="none | ngram")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     args = parser.parse_args()
+    reply_to = os.fdopen(os.dup(1), "w")  # the protocol's stream; vLLM's own logs print to stdout,
+    os.dup2(2, 1)  # so everything else written to fd 1 goes to stderr instead
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default would reserve more than we need
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -28,7 +30,7 @@ def main() -> None:
         speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4}
     start = time.perf_counter()
     llm = LLM(model=args.model, dtype="float32", max_model_len=2048, speculative_config=speculative, seed=0)
-    print(json.dumps({"ready": True, "startup_s": time.perf_counter() - start}), flush=True)
+    print(json.dumps({"ready": True, "startup_s": time.perf_counter() - start}), file=reply_to, flush=True)
     for line in sys.stdin:
         try:
             request = json.loads(line)
@@ -38,7 +40,7 @@ def main() -> None:
             reply = {"token_ids": list(out[0].outputs[0].token_ids), "seconds": time.perf_counter() - begin}
         except Exception as e:  # report and keep serving: one bad request must not end the benchmark
             reply = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(reply), flush=True)
+        print(json.dumps(reply), file=reply_to, flush=True)
 
 
 if __name__ == "__main__":
