@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     _add_target_args(sv)
-    sv.add_argument("--drafter", default="ngram", help="none | ngram | draft-model | a trained drafter's folder")
+    sv.add_argument("--drafter", default="default", help="default (shipped) | none | ngram | a drafter folder")
     sv.add_argument("--scheduler", default="fixed", choices=["prefix", "fixed", "threshold"])
     sv.add_argument("--draft-length", type=int, default=7, help="most draft tokens verified per request and step")
     sv.add_argument("--threshold", type=float, default=0.5, help="for --scheduler threshold: the confidence cut")

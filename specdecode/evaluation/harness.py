@@ -123,18 +123,10 @@ def run_eval(
                     done[key] = cell
     runs = _aggregate(done, benchmarks, temperatures, list(variants), draft_length, tree)
     table = _table(runs)
-    plots = _plots(runs, out, name)
-    write_results(
-        name,
-        out_dir,
-        target.name,
-        runs,
-        table + "".join(f"\n![{p.stem}]({p.name})\n" for p in plots),
-        limit_per_benchmark=limit,
-        max_new_tokens=max_new_tokens,
-    )
+    markdown = table + "".join(f"\n![{p.stem}]({p.name})\n" for p in _plots(runs, out, name))
+    write_results(name, out_dir, target.name, runs, markdown, limit_per_benchmark=limit, max_new_tokens=max_new_tokens)
     print(table)
-    return {"runs": runs}
+    return {"runs": runs, "markdown": markdown}
 
 
 def _aggregate(cells: dict, benchmarks, temperatures, labels, draft_length, tree) -> list[dict]:

@@ -4,9 +4,9 @@ Paper setting: Qwen3-8B target, EAGLE-3, DFlash and DSpark retrained on the same
 with draft length 7, temperature 1, accepted length counting the target's own token. Here: the default
 target, the three drafters trained by `specdecode train` on the same regenerated data with the same
 budget (trained first when `<runs>/<kind>-<target>/drafter` is missing; training resumes), then one
-interleaved `specdecode eval` over the offline benchmarks at temperature 1 and 0 (EAGLE-3 also with
-its 5/4/8 tree, which the paper's chain-only table does not have). The table puts our accepted lengths
-beside the paper's, both as ratios to EAGLE-3's chain.
+interleaved `specdecode eval` over the offline benchmarks at temperature 1 and 0 (EAGLE-3 also with its
+5/4/8 tree, and DSpark also under the prefix scheduler: variants the paper's Table 1 does not have). The
+table puts our accepted lengths beside the paper's, both as ratios to EAGLE-3's chain.
 """
 
 import statistics
@@ -50,10 +50,20 @@ def run_table1(
             run_training(kind, target, data_dir, str(run), config, features, architecture=architecture)
         drafters.append(str(run / "drafter"))
     result = run_eval(
-        target, drafters, list(BENCHMARKS), out_dir, "table1", limit, (1.0, 0.0), 7, max_new_tokens, tree=TreeSettings()
+        target,
+        drafters,
+        list(BENCHMARKS),
+        out_dir,
+        "table1",
+        limit,
+        (1.0, 0.0),
+        7,
+        max_new_tokens,
+        tree=TreeSettings(),
+        scheduler="prefix",
     )
     runs = result["runs"]
-    table = _table(runs)
+    table = _table(runs) + "\n\n## Every variant, per benchmark\n\n" + result["markdown"]
     write_results("table1", out_dir, target.name, runs, table, paper_qwen3_8b=PAPER_QWEN3_8B, limit_per_benchmark=limit)
     print(table)
     return {"runs": runs}

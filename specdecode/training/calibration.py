@@ -128,7 +128,9 @@ def fit_sequential_temperatures(rounds: Rounds, grid: torch.Tensor = TEMPERATURE
             errors.append(
                 expected_calibration_error(cumulative_confidence(rounds.logits, temperatures)[:, k], labels[:, k])
             )
-        temperatures[k] = grid[int(torch.tensor(errors).argmin())]
+        errors = torch.tensor(errors)
+        best = errors <= errors.min() + 1e-12  # a flat minimum (no evidence either way) keeps T nearest 1
+        temperatures[k] = grid[best.nonzero().flatten()[grid[best].log().abs().argmin()]]
     return CalibrationFit(temperatures=temperatures.tolist(), grid=grid.tolist())
 
 
