@@ -270,3 +270,22 @@ def test_anchored_unroll_equals_the_full_unroll_at_the_anchors():
     few[0, [3, 7]] = True
     anchors, ok = sample_anchors(few, 4, torch.Generator())
     assert ok.sum() == 2 and set(anchors[ok].tolist()) == {3, 7}
+
+
+def test_tree_decoding_with_eagle3_is_lossless():
+    """EAGLE-3's own trees through the engine: token-identical at T=0, the target's distribution at T=1."""
+    from collections import Counter
+
+    from tests.test_lossless import exact_two_token_distribution
+    from tests.test_verify import chi_square_pvalue
+
+    target = tiny_target(VOCAB)
+    decoder = SpeculativeDecoder(target, Eagle3Drafter(make_model(target)), 4, tree=TreeSettings(3, 3, 6))
+    prompt = [3, 4, 5, 6, 7]
+    reference = SpeculativeDecoder(target, Drafter(), 0).generate(prompt, SamplingParams(), max_new_tokens=40)
+    got = decoder.generate(prompt, SamplingParams(), max_new_tokens=40)[0]
+    assert got.token_ids == reference[0].token_ids and got.stats.position_attempts
+    params, n = SamplingParams(temperature=1.0), 3000
+    completions = decoder.generate(prompt, params, max_new_tokens=2, seed=11, num_samples=n)
+    counts = Counter(tuple(c.token_ids) for c in completions)
+    assert chi_square_pvalue(counts, exact_two_token_distribution(target, prompt, params), n) > 1e-3

@@ -126,7 +126,9 @@ def test_replay_counts_tokens_and_costs():
     assert full["tokens_per_step"] == pytest.approx(5.0, abs=0.3)
     assert full["verify_tokens"] == 8
     assert full["tokens_per_s"] == pytest.approx(full["tokens_per_step"] / 0.02)
-    normal = replay(rounds, confidences, fixed(0), 2, costs, draft_s=0.005, trials=10)
+    none_verified = replay(rounds, confidences, fixed(0), 2, costs, draft_s=0.005, trials=10)
+    assert none_verified["tokens_per_s"] == pytest.approx(2 / 0.02)  # drafted, then verified nothing
+    normal = replay(rounds, confidences, fixed(0), 2, costs, draft_s=0.005, trials=10, drafting=False)
     assert normal["tokens_per_step"] == 2 and normal["tokens_per_s"] == pytest.approx(200.0)  # no drafting cost
 
 

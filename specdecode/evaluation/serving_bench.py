@@ -158,6 +158,10 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "VllmServer":
+        return self
+
+    def start(self) -> None:
+        """Launch the server and wait until it answers /health; the context manager stops it."""
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
         self.process = subprocess.Popen(self.command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 600
@@ -167,7 +171,7 @@ class VllmServer:
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as reply:
                     if reply.status == 200:
-                        return self
+                        return
             except OSError:
                 time.sleep(2)
         self.process.kill()
@@ -222,9 +226,17 @@ def run_serving_bench(
                     }
                 )
                 print(f"[serving] {label:16s} c={clients:3d} {level['output_tokens_per_s']:8.1f} tok/s", flush=True)
+    skipped: dict[str, str] = {}
     for speculative in ("none", "ngram") if vllm_python else ():
         label = "vllm-cpu" + ("-ngram" if speculative == "ngram" else "")
-        with VllmServer(vllm_python, target.source, target.name, max_len, speculative) as server:
+        server = VllmServer(vllm_python, target.source, target.name, max_len, speculative)
+        try:
+            server.start()
+        except SpecDecodeError as e:  # report it and keep the measurements already made
+            print(f"[serving] {label} skipped: {e}", flush=True)
+            skipped[label] = str(e)
+            continue
+        with server:
             for clients in concurrencies:
                 level = asyncio.run(
                     run_level(server.url, target.name, prompts, clients, requests, max_tokens, time_limit_s)
@@ -257,5 +269,6 @@ def run_serving_bench(
         "time_limit_s": time_limit_s,
         "max_len": max_len,
     }
-    path = write_results(name, out, target.name, runs, "\n".join(rows), limits=limits)
+    table = "\n".join(rows) + "".join(f"\n\n{label} did not run: {error}" for label, error in skipped.items())
+    path = write_results(name, out, target.name, runs, table, limits=limits, failed_to_start=skipped)
     return {"path": str(path), "runs": runs}
