@@ -101,18 +101,27 @@ def training_losses(model: "DSparkModel", batch: "FeatureBatch", generator: torc
 @torch.no_grad()
 def _acceptance_metrics(p_draft, p_target, labels, valid) -> dict[str, torch.Tensor]:
     """Per-slot accuracy and the accepted length verification would give, per block (teacher-forced prefix).
+    A slot survives greedy verification when the draft's argmax equals the target's, and at T=1 with
+    probability 1 - 0.5 ||p_draft - p_target||_1."""
+    draft_argmax = p_draft.argmax(-1)
+    alpha = (1 - 0.5 * (p_draft - p_target).abs().sum(-1)).clamp(0, 1)
+    return acceptance_metrics(valid, draft_argmax == labels, draft_argmax == p_target.argmax(-1), alpha)
 
-    Greedy: drafts kept while the draft's argmax equals the target's. T=1: slot k survives with probability
-    1 - 0.5 ||p_draft - p_target||_1, so E[accepted] = 1 + sum_k prod_{i<=k} alpha_i.
-    """
+
+@torch.no_grad()
+def acceptance_metrics(valid, correct, greedy_match, alpha) -> dict[str, torch.Tensor]:
+    """The metrics every drafter's training reports, per drafting round (..., positions), so runs of
+    different drafters compare: accuracy per position over contiguous supervised prefixes; the greedy
+    accepted length (drafts kept while `greedy_match`); at T=1, 1 + sum_k prod_{i<=k} alpha_i, where alpha
+    is each draft's survival probability 1 - TV(p_draft, p_target)."""
+    prefix = valid.long().cumprod(-1).bool()
+    rounds = prefix[..., 0]
     metrics = {}
-    blocks = valid[..., 0]
-    correct = (p_draft.argmax(-1) == labels) & valid
-    for k in range(valid.shape[-1]):
-        metrics[f"acc_pos_{k + 1}"] = correct[..., k].sum() / valid[..., k].sum().clamp_min(1)
-    greedy = ((p_draft.argmax(-1) == p_target.argmax(-1)) & valid).long().cumprod(-1).sum(-1)
-    alpha = ((1 - 0.5 * (p_draft - p_target).abs().sum(-1)).clamp(0, 1) * valid).cumprod(-1).sum(-1)
-    count = blocks.sum().clamp_min(1)
-    metrics["simulated_accept_length_greedy"] = 1 + (greedy * blocks).sum() / count
-    metrics["simulated_accept_length"] = 1 + (alpha * blocks).sum() / count
+    for j in range(valid.shape[-1]):
+        metrics[f"acc_pos_{j + 1}"] = (correct & prefix)[..., j].sum() / prefix[..., j].sum().clamp_min(1)
+    count = rounds.sum().clamp_min(1)
+    greedy = (greedy_match & prefix).long().cumprod(-1).sum(-1)
+    accepted = (alpha * prefix).cumprod(-1).sum(-1)
+    metrics["simulated_accept_length_greedy"] = 1 + (greedy * rounds).sum() / count
+    metrics["simulated_accept_length"] = 1 + (accepted * rounds).sum() / count
     return metrics

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdecode.training.block_losses import acceptance_metrics
+
 if TYPE_CHECKING:
     from specdecode.drafters.eagle3 import Eagle3Model
     from specdecode.training.features import FeatureBatch
@@ -134,21 +136,3 @@ def training_losses(model: "Eagle3Model", batch: "FeatureBatch", generator: torc
     }
     result.update(acceptance_metrics(valid, correct, greedy_match, alpha))
     return result
-
-
-@torch.no_grad()
-def acceptance_metrics(valid, correct, greedy_match, alpha) -> dict[str, torch.Tensor]:
-    """The definitions of `block_losses`, per drafting round starting at index t (B, T, steps): accuracy
-    per position over contiguous supervised prefixes; greedy accepted length (drafts kept while the draft's
-    argmax equals the target's); at T=1, 1 + sum_k prod_{i<=k} (1 - TV(p_draft,i, p_target,i))."""
-    prefix = valid.long().cumprod(-1).bool()
-    rounds = prefix[..., 0]
-    metrics = {}
-    for j in range(valid.shape[-1]):
-        metrics[f"acc_pos_{j + 1}"] = (correct & prefix)[..., j].sum() / prefix[..., j].sum().clamp_min(1)
-    count = rounds.sum().clamp_min(1)
-    greedy = (greedy_match & prefix).long().cumprod(-1).sum(-1)
-    accepted = (alpha * prefix).cumprod(-1).sum(-1)
-    metrics["simulated_accept_length_greedy"] = 1 + (greedy * rounds).sum() / count
-    metrics["simulated_accept_length"] = 1 + (accepted * rounds).sum() / count
-    return metrics
