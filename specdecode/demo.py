@@ -5,6 +5,7 @@ import sys
 from specdecode.drafters import Drafter, build_drafter
 from specdecode.drafters.shipped import shipped_drafter
 from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.engine.scheduler import has_confidences
 from specdecode.evaluation.baselines import PROMPT_GROUPS
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
@@ -16,12 +17,13 @@ DEMO_PROMPTS = (*PROMPT_GROUPS["repeat"][:2], PROMPT_GROUPS["chat"][1])
 def run_demo(target: Target, drafter_spec: str, max_new_tokens: int) -> None:
     drafter = build_drafter(drafter_spec, target)
     normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
-    speculative = SpeculativeDecoder(target, drafter, draft_length=8)
+    scheduler = "prefix" if has_confidences(drafter) else "fixed"  # DSpark verifies only the drafts that pay
+    speculative = SpeculativeDecoder(target, drafter, draft_length=8, scheduler=scheduler)
     params = SamplingParams(temperature=0.0)
     rows = []
     shipped = shipped_drafter(target.name) if drafter_spec == "default" else None
     drafter_spec = f"{drafter.name} (shipped with specdecode)" if shipped else drafter.name
-    print(f"target {target.name} on {target.device}, drafter {drafter_spec}, temperature 0\n")
+    print(f"target {target.name} on {target.device}, drafter {drafter_spec}, {scheduler} scheduler, temperature 0\n")
     for n, prompt in enumerate(DEMO_PROMPTS, 1):
         ids = target.encode(prompt)
         print(f"=== prompt {n}: {prompt.splitlines()[0][:90]}")
