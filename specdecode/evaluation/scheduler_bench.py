@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from specdecode.drafters.base import Drafter
 from specdecode.drafters.checkpoint import load_drafter
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.engine.scheduler import prefix_survival, schedule_prefix, schedule_threshold
@@ -29,9 +30,8 @@ NORMAL = "normal decoding (no drafts, no drafting)"
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def measure_draft_seconds(target: Target, drafter_path: str, prompt: list[dict], params: SamplingParams) -> float:
+def measure_draft_seconds(target: Target, drafter: Drafter, prompt: list[dict], params: SamplingParams) -> float:
     """The engine's own drafting time per round, over one decoded prompt."""
-    drafter = load_drafter(drafter_path, target)
     decoder = SpeculativeDecoder(target, drafter, draft_length=drafter.config.block_size)
     stats = decoder.generate(target.encode_chat(prompt), params, max_new_tokens=96)[0].stats
     return stats.draft_s / max(1, len(stats.accepted_lengths))
@@ -88,7 +88,7 @@ def run_scheduler_bench(
     gamma = drafter.config.block_size
     temperatures = list(drafter.config.calibration_temperatures) or [1.0] * gamma
     costs = profile_target(target, sizes=PROFILE_SIZES)
-    draft_s = statistics.median(measure_draft_seconds(target, drafter_path, prompts[i], params) for i in range(3))
+    draft_s = statistics.median(measure_draft_seconds(target, drafter, prompts[i], params) for i in range(3))
 
     confidences = torch.nan_to_num(torch.sigmoid(rounds.logits / torch.tensor(temperatures)), nan=0.0)
     runs = []
