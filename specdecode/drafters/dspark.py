@@ -19,10 +19,10 @@ a learned embedding vector (`mask_embedding`). A target with a spare row can nam
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
+from specdecode.drafters.layers import DecoderBlock, Rotary
 from specdecode.sampling import SamplingParams, probabilities, sample
 
 
@@ -58,59 +58,15 @@ class DSparkConfig:
         return asdict(self)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-class Rotary(nn.Module):
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim), False)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (..., L, d) rotated by positions (..., L)."""
-        angles = positions[..., None].float() * self.inv_freq
-        emb = torch.cat([angles, angles], dim=-1)
-        return x * emb.cos().to(x.dtype) + rotate_half(x) * emb.sin().to(x.dtype)
-
-
-class DraftLayer(nn.Module):
+class DraftLayer(DecoderBlock):
     """A pre-norm Llama-style block whose attention also sees the context's keys and values."""
-
-    def __init__(self, c: DSparkConfig) -> None:
-        super().__init__()
-        self.c = c
-        h, d = c.hidden_size, c.head_dim
-        self.input_layernorm = nn.RMSNorm(h, eps=c.rms_norm_eps)
-        self.q_proj = nn.Linear(h, c.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * d, h, bias=False)
-        self.post_attention_layernorm = nn.RMSNorm(h, eps=c.rms_norm_eps)
-        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
-
-    def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(*x.shape[:-1], n, self.c.head_dim).transpose(-2, -3)
-
-    def context_kv(self, context: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
-        """Keys (rotated) and values of context features (B, T, H) at `positions` (B, T)."""
-        k = rotary(self.heads(self.k_proj(context), self.c.num_kv_heads), positions[:, None])
-        return k, self.heads(self.v_proj(context), self.c.num_kv_heads)
 
     def forward(self, x, positions, ctx_k, ctx_v, rotary: Rotary, mask: torch.Tensor | None) -> torch.Tensor:
         """x (B, Q, H) block tokens at `positions` (B, Q); ctx_k/ctx_v (B, kvh, T, d); mask (B, 1, Q, T+Q)."""
         normed = self.input_layernorm(x)
-        q = rotary(self.heads(self.q_proj(normed), self.c.num_heads), positions[:, None])
-        k = rotary(self.heads(self.k_proj(normed), self.c.num_kv_heads), positions[:, None])
-        v = self.heads(self.v_proj(normed), self.c.num_kv_heads)
-        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        x = x + self.o_proj(attn.transpose(1, 2).flatten(-2))
-        normed = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+        k, v = self.keys_values(normed, positions, rotary)
+        keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        return self.attend_and_mlp(x, self.queries(normed, positions, rotary), keys, values, mask)
 
 
 class MarkovHead(nn.Module):
@@ -180,7 +136,7 @@ class DSparkModel(nn.Module):
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's keys and values of context vectors (B, T, H) at positions (B, T)."""
-        return [layer.context_kv(context, positions, self.rotary) for layer in self.layers]
+        return [layer.keys_values(context, positions, self.rotary) for layer in self.layers]
 
     def backbone(self, block_inputs, block_positions, context_kv, mask) -> torch.Tensor:
         """The parallel stage: final-normed hidden states of the block tokens (B, Q, H)."""

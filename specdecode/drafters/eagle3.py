@@ -21,11 +21,10 @@ layer serves the TTT mask, chain drafting and tree drafting.
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures, TreeProposal, TreeSettings
-from specdecode.drafters.dspark import Rotary
+from specdecode.drafters.layers import DecoderBlock, Rotary
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
@@ -63,40 +62,21 @@ def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, 
     return d2t, t2d
 
 
-class Eagle3Layer(nn.Module):
+class Eagle3Layer(DecoderBlock):
     """A Llama block whose attention input is [normed token embedding ; normed hidden] (2H wide)."""
 
     def __init__(self, c: Eagle3Config) -> None:
-        super().__init__()
-        self.c = c
-        h, d = c.hidden_size, c.head_dim
-        self.input_layernorm = nn.RMSNorm(h, eps=c.rms_norm_eps)
-        self.hidden_norm = nn.RMSNorm(h, eps=c.rms_norm_eps)
-        self.q_proj = nn.Linear(2 * h, c.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * h, c.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * h, c.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * d, h, bias=False)
-        self.post_attention_layernorm = nn.RMSNorm(h, eps=c.rms_norm_eps)
-        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
-
-    def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(*x.shape[:-1], n, self.c.head_dim).transpose(-2, -3)
+        super().__init__(c, attention_width=2 * c.hidden_size)
+        self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
     def forward(self, hidden, embeds, positions, past_k, past_v, mask, rotary: Rotary):
         """hidden, embeds (B, Q, H) at positions (B, Q); past_k/past_v (B, kvh, P, d) or None; mask (B, 1, Q,
         P + Q) boolean (True: may attend) or None. Returns the output hidden (B, Q, H) and the new keys/values."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        q = rotary(self.heads(self.q_proj(x), self.c.num_heads), positions[:, None])
-        k = rotary(self.heads(self.k_proj(x), self.c.num_kv_heads), positions[:, None])
-        v = self.heads(self.v_proj(x), self.c.num_kv_heads)
+        k, v = self.keys_values(x, positions, rotary)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        h = hidden + self.o_proj(attn.transpose(1, 2).flatten(-2))
-        normed = self.post_attention_layernorm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed)), k, v
+        return self.attend_and_mlp(hidden, self.queries(x, positions, rotary), keys, values, mask), k, v
 
 
 class Eagle3Model(nn.Module):
