@@ -90,6 +90,32 @@ def test_training_matches_inference(head):
     assert proposal.tokens.tolist() == expected.argmax(-1).tolist()
 
 
+def test_batched_proposals_equal_single_ones():
+    """The continuous engine drafts for all requests in one call: contexts of different lengths are padded and
+    masked, so each request gets the block it would get alone (and nothing for a zero budget)."""
+    target = tiny_target(vocab_size=24)
+    model = make_model(target)
+    ids = torch.randint(2, 24, (3, 14), generator=torch.Generator().manual_seed(3))
+    committed = [ids[0, :5].tolist(), ids[1, :12].tolist(), ids[2, :9].tolist()]
+    drafters = []
+    for row, seq in zip(ids, committed, strict=True):
+        out = features_of(target, row)
+        drafter = BlockDrafter(model)
+        n = len(seq) - 1
+        drafter.begin(
+            seq, SamplingParams(), torch.Generator(), TargetFeatures(out.layer_hidden[:n], out.last_hidden[:n])
+        )
+        drafters.append(drafter)
+    budgets = [4, 2, 0]
+    batched = BlockDrafter.propose_batch(drafters, committed, budgets)
+    for drafter, seq, budget, got in zip(drafters, committed, budgets, batched, strict=True):
+        alone = drafter.propose(seq, budget)
+        assert got.length == budget
+        assert got.tokens.tolist() == alone.tokens.tolist()
+        if budget:
+            torch.testing.assert_close(got.confidences, alone.confidences)
+
+
 @pytest.mark.parametrize("markov_rank", [0, 8], ids=["dflash", "dspark"])
 def test_losses_are_finite_and_trainable(markov_rank):
     target = tiny_target(vocab_size=24)

@@ -121,12 +121,12 @@ def test_replay_counts_tokens_and_costs():
     def fixed(n):
         return lambda s, c: [n] * len(s)
 
-    full = replay(rounds, confidences, fixed(3), 2, costs, draft_s=0.005, trials=400)
+    full = replay(rounds, confidences, fixed(3), 2, costs, draft_s=0.01, trials=400)  # one drafting call for both
     # each request yields 1 + accepted (0 or 3, equally likely): 2 requests -> 2 + 3 on average
     assert full["tokens_per_step"] == pytest.approx(5.0, abs=0.3)
     assert full["verify_tokens"] == 8
     assert full["tokens_per_s"] == pytest.approx(full["tokens_per_step"] / 0.02)
-    none_verified = replay(rounds, confidences, fixed(0), 2, costs, draft_s=0.005, trials=10)
+    none_verified = replay(rounds, confidences, fixed(0), 2, costs, draft_s=0.01, trials=10)
     assert none_verified["tokens_per_s"] == pytest.approx(2 / 0.02)  # drafted, then verified nothing
     normal = replay(rounds, confidences, fixed(0), 2, costs, draft_s=0.005, trials=10, drafting=False)
     assert normal["tokens_per_step"] == 2 and normal["tokens_per_s"] == pytest.approx(200.0)  # no drafting cost
@@ -169,3 +169,18 @@ def test_scheduler_needs_confidences():
         SpeculativeDecoder(tiny_target(), NgramDrafter(), 4, scheduler="prefix")
     with pytest.raises(SpecDecodeError, match="unknown scheduler"):
         SpeculativeDecoder(tiny_target(), NgramDrafter(), 4, scheduler="global")
+
+
+def test_draft_seconds_are_measured_per_batch_size():
+    """The replay's drafting cost is one batched call per step, measured for every R."""
+    from specdecode.drafters.dspark import BlockDrafter
+    from specdecode.evaluation.scheduler_bench import measure_draft_seconds
+    from specdecode.sampling import SamplingParams
+    from tests.conftest import tiny_target
+    from tests.test_dspark import make_model
+
+    target = tiny_target(vocab_size=24)
+    target.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    prompts = [[{"role": "user", "content": " ".join(f"t{2 + (i + j) % 20}" for j in range(5 + i))}] for i in range(3)]
+    seconds = measure_draft_seconds(target, BlockDrafter(make_model(target)), prompts, SamplingParams(), (1, 4))
+    assert list(seconds) == [1, 4] and all(t > 0 for t in seconds.values())

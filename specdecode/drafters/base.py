@@ -96,6 +96,12 @@ class Drafter:
         """Draft up to `max_tokens` tokens that continue the committed sequence `ids`."""
         return EMPTY_PROPOSAL
 
+    @classmethod
+    def propose_batch(cls, drafters: list["Drafter"], ids: list[list[int]], max_tokens: list[int]) -> list[Proposal]:
+        """`propose` for many requests at once (`drafters[r]` holds request r's state); drafters whose weights
+        can serve a batch in one pass override this."""
+        return [d.propose(i, n) for d, i, n in zip(drafters, ids, max_tokens, strict=True)]
+
     def propose_tree(self, ids: list[int], settings: TreeSettings, max_depth: int) -> TreeProposal:
         """Draft a tree continuing `ids`, no deeper than `max_depth`; only drafters that can branch do this."""
         raise SpecDecodeError(f"the {self.name} drafter cannot draft trees; use chain drafting")

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
+from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
 from specdecode.drafters.layers import DecoderBlock, Rotary
 from specdecode.sampling import SamplingParams, probabilities, sample
 
@@ -204,30 +204,69 @@ class BlockDrafter(Drafter):
             ]
         self.length += n
 
-    @torch.inference_mode()
+    @property
+    def _samples(self) -> bool:
+        """DSpark samples its drafts from q at temperature > 0; DFlash's positions are marginals: argmax only."""
+        return self.config.kind == "dspark" and not self.params.greedy
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self._samples:
+            return logits.argmax(-1)
+        return torch.tensor(sample(probabilities(logits, self.params), self.generator))
+
     def propose(self, ids: list[int], max_tokens: int) -> Proposal:
-        c, model = self.config, self.model
-        if max_tokens <= 0 or self.kv is None:
-            return Proposal(tokens=torch.empty(0, dtype=torch.long))
-        anchor = torch.tensor([ids[-1]])
-        inputs = torch.cat([model.embed(anchor), model.mask_input((c.block_size - 1,))])[None]
-        positions = torch.arange(len(ids) - 1, len(ids) - 1 + c.block_size)[None]
-        h = model.backbone(inputs, positions, self.kv, None)[0]
-        sampled = c.kind == "dspark" and not self.params.greedy  # DFlash positions are marginals: argmax only
+        return self.propose_batch([self], [ids], [max_tokens])[0]
+
+    @classmethod
+    @torch.inference_mode()
+    def propose_batch(cls, drafters: list[Drafter], ids: list[list[int]], max_tokens: list[int]) -> list[Proposal]:
+        """One backbone pass, one LM head product and one Markov stage for every request's block: the weights
+        (the LM head alone is the size of the target's embedding) are read once per round, not once per request.
+        Contexts of different lengths are right-padded and masked out."""
+        proposals = [EMPTY_PROPOSAL] * len(drafters)
+        rows = [r for r, d in enumerate(drafters) if max_tokens[r] > 0 and d.kv is not None]
+        if not rows:
+            return proposals
+        model, c = drafters[rows[0]].model, drafters[rows[0]].config
+        g = c.block_size
+        anchors = torch.tensor([ids[r][-1] for r in rows])
+        inputs = torch.cat([model.embed(anchors)[:, None], model.mask_input((len(rows), g - 1))], dim=1)
+        positions = torch.stack([torch.arange(len(ids[r]) - 1, len(ids[r]) - 1 + g) for r in rows])
+        kv, mask = _padded_context([drafters[r] for r in rows], g)
+        h = model.backbone(inputs, positions, kv, mask)
 
         def choose(logits: torch.Tensor) -> torch.Tensor:
-            if not sampled:
-                return logits.argmax(-1)
-            return torch.tensor(sample(probabilities(logits, self.params), self.generator))
+            return torch.stack([drafters[r]._choose(row) for r, row in zip(rows, logits, strict=True)])
 
-        logits, conf, tokens = model.sequential(h, model.lm_head(h), anchor[0], choose=choose)
-        tokens, logits = tokens[:max_tokens], logits[:max_tokens]
-        confidences = None
-        if conf is not None:
-            temps = torch.tensor(c.calibration_temperatures or [1.0] * c.block_size)[: len(tokens)]
-            confidences = torch.sigmoid(conf[: len(tokens)] / temps)
-        probs = probabilities(logits, self.params) if sampled else None
-        return Proposal(tokens=tokens, probs=probs, confidences=confidences)
+        logits, conf, tokens = model.sequential(h, model.lm_head(h), anchors, choose=choose)
+        temps = torch.tensor(c.calibration_temperatures or [1.0] * g)
+        for i, r in enumerate(rows):
+            d, n = drafters[r], max_tokens[r]
+            confidences = None if conf is None else torch.sigmoid(conf[i, :n] / temps[:n])
+            probs = probabilities(logits[i, :n], d.params) if d._samples else None
+            proposals[r] = Proposal(tokens=tokens[i, :n], probs=probs, confidences=confidences)
+        return proposals
 
     def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
         self._append(features)
+
+
+def _padded_context(drafters: list[BlockDrafter], block_size: int):
+    """Every layer's context K/V of several requests, right-padded to the longest, and the attention mask
+    (R, 1, block, longest + block) that hides the padding; a single request's own K/V and no mask."""
+    if len(drafters) == 1:
+        return drafters[0].kv, None
+    lengths = [d.length for d in drafters]
+    longest = max(lengths)
+    kv = []
+    for layer in range(len(drafters[0].kv)):
+        k0 = drafters[0].kv[layer][0]
+        keys = k0.new_zeros(len(drafters), k0.shape[1], longest, k0.shape[3])
+        values = torch.zeros_like(keys)
+        for i, d in enumerate(drafters):
+            k, v = d.kv[layer]
+            keys[i, :, : d.length], values[i, :, : d.length] = k[0], v[0]
+        kv.append((keys, values))
+    context = torch.arange(longest)[None] < torch.tensor(lengths)[:, None]
+    mask = torch.cat([context, torch.ones(len(drafters), block_size, dtype=torch.bool)], dim=1)
+    return kv, mask[:, None, None, :].expand(-1, 1, block_size, -1)

@@ -2,11 +2,12 @@
 
 A background thread runs the loop. Between steps, queued requests join while KV slots are free (their
 prompt is prefilled in its own pass) and finished or cancelled ones leave and free their slot. Each step:
-every running request's drafter proposes; the scheduler (`engine/scheduler.py`) decides how many drafts of
-each to verify; one batched pass (`engine/batch.py`) verifies them all; each request accepts with its own
-sampling settings and seed, commits, streams its new text and records its round. Per request the loop is
-the one of `engine/decode.py` (same limit, EOS, stop strings, streaming), so at temperature 0 a request's
-tokens are normal greedy decoding's, whatever else shares its passes.
+every running request's drafter proposes (in one batched call where the drafter has one); the scheduler
+(`engine/scheduler.py`) decides how many drafts of each to verify; one batched pass (`engine/batch.py`)
+verifies them all; each request accepts with its own sampling settings and seed, commits, streams its new
+text and records its round. Per request the loop is the one of `engine/decode.py` (same limit, EOS, stop
+strings, streaming), so at temperature 0 a request's tokens are normal greedy decoding's, whatever else
+shares its passes.
 
 Drafters keep a request's state in attributes that `begin()` sets, so each request gets a shallow copy of
 the engine's drafter: its own state, the same weights.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
+from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
 from specdecode.engine.batch import BatchedTarget, VerifyRow, profile_batched_pass, verify_batch
 from specdecode.engine.decode import Completion, stream_safe, visible_text
 from specdecode.engine.metrics import EngineMetrics
@@ -279,13 +280,16 @@ class ContinuousEngine:
 
     def _step(self) -> None:
         """Draft for every running request, schedule, one batched verify pass, commit each request."""
-        proposals = []
+        t0 = time.perf_counter()
+        proposals = self.drafter.propose_batch(
+            [s.drafter for s in self._running],
+            [s.ids for s in self._running],
+            # drafts beyond a request's limit would be wasted
+            [min(self.config.draft_length, s.request.max_tokens - s.generated - 1) for s in self._running],
+        )
+        draft_s = time.perf_counter() - t0
         for s in self._running:
-            t0 = time.perf_counter()
-            room = s.request.max_tokens - s.generated - 1  # drafts beyond the limit would be wasted
-            proposal = s.drafter.propose(s.ids, min(self.config.draft_length, room)) if room > 0 else EMPTY_PROPOSAL
-            proposals.append(proposal)
-            s.stats.draft_s += time.perf_counter() - t0
+            s.stats.draft_s += draft_s  # every request waits for the whole batch's drafting
         # an empty proposal carries no confidences; `fixed` ignores them and has_confidences() covers the rest
         confidences = [p.confidences if p.confidences is not None else torch.ones(p.length) for p in proposals]
         lengths = schedule(

@@ -187,6 +187,7 @@ def _aggregate(cells: dict, benchmarks, temperatures, labels, draft_length, tree
                     "accepted_length_ci95": round(half_width, 3),
                     "accepted_length_histogram": histogram,
                     "per_position_acceptance": [round(a, 3) for a in stats.per_position_acceptance],
+                    "position_attempts": stats.position_attempts,
                     "target_passes": stats.target_passes,
                     "draft_s": round(stats.draft_s, 2),
                     "verify_s": round(stats.verify_s, 2),
@@ -212,7 +213,7 @@ def _table(runs: list[dict]) -> str:
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in runs:
-        label = r["drafter"] + (f" ({r['checkpoint']})" if r["checkpoint"] else "")
+        label = _variant(r)
         same = {True: "yes", False: "NO"}.get(r.get("identical_to_normal_at_t0"), "")
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         lines.append(
@@ -222,6 +223,32 @@ def _table(runs: list[dict]) -> str:
             f"{speedup} | {same} |"
         )
     return "\n".join(lines)
+
+
+def _variant(run: dict) -> str:
+    return run["drafter"] + (f" ({run['checkpoint']})" if run["checkpoint"] else "")
+
+
+MIN_POSITION_ATTEMPTS = 20  # fewer rounds reaching a position make its acceptance noise, not a measurement
+
+
+def _pooled_acceptance(runs: list[dict]) -> list[float]:
+    """Per-position acceptance over several benchmarks, each position weighted by the rounds that reached it;
+    the curve stops where fewer than MIN_POSITION_ATTEMPTS rounds got that far."""
+    attempts, accepts = [], []
+    for r in runs:
+        for j, (tries, rate) in enumerate(zip(r["position_attempts"], r["per_position_acceptance"], strict=True)):
+            if j == len(attempts):
+                attempts.append(0)
+                accepts.append(0.0)
+            attempts[j] += tries
+            accepts[j] += rate * tries
+    curve = []
+    for tries, hits in zip(attempts, accepts, strict=True):
+        if tries < MIN_POSITION_ATTEMPTS:
+            break
+        curve.append(hits / tries)
+    return curve
 
 
 def _plots(runs: list[dict], out: Path, name: str) -> list[Path]:
@@ -235,14 +262,15 @@ def _plots(runs: list[dict], out: Path, name: str) -> list[Path]:
     temperatures = sorted({r["temperature"] for r in spec})
     if not spec:
         return paths
-    fig, axes = plt.subplots(1, len(temperatures), figsize=(5 * len(temperatures), 3.6), squeeze=False)
+    variants = list(dict.fromkeys(_variant(r) for r in spec))
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(5 * len(temperatures), 3.8), squeeze=False)
     for ax, temperature in zip(axes[0], temperatures, strict=True):
-        for r in (r for r in spec if r["temperature"] == temperature):
-            curve = r["per_position_acceptance"]
-            label = f"{r['drafter']} {r['benchmark']}"
-            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=label)
-        ax.set_title(f"per-position acceptance, T={temperature:g}")
-        ax.set_xlabel("draft position")
+        for variant in variants:
+            curve = _pooled_acceptance([r for r in spec if (_variant(r), r["temperature"]) == (variant, temperature)])
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=variant)
+        ax.set_title(f"per-position acceptance, T={temperature:g} (all benchmarks)")
+        ax.set_xlabel(f"draft position (shown while >= {MIN_POSITION_ATTEMPTS} rounds reach it)")
+        ax.set_ylabel("P(accepted | earlier drafts accepted)")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -251,27 +279,22 @@ def _plots(runs: list[dict], out: Path, name: str) -> list[Path]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
-    benchmarks = sorted({r["benchmark"] for r in spec})
-    labels = sorted({(r["drafter"], r["temperature"]) for r in spec})
-    fig, ax = plt.subplots(figsize=(1.6 * len(benchmarks) + 3, 3.6))
-    width = 0.8 / len(labels)
-    for i, (drafter, temperature) in enumerate(labels):
-        values = [
-            next(
-                (
-                    r["mean_accepted_length"]
-                    for r in spec
-                    if (r["benchmark"], r["drafter"], r["temperature"]) == (b, drafter, temperature)
-                ),
-                0,
-            )
-            for b in benchmarks
-        ]
-        ax.bar([x + i * width for x in range(len(benchmarks))], values, width, label=f"{drafter} T={temperature:g}")
+    benchmarks = list(dict.fromkeys(r["benchmark"] for r in spec))
+    bars = list(dict.fromkeys((_variant(r), r["temperature"]) for r in spec))
+    fig, ax = plt.subplots(figsize=(1.8 * len(benchmarks) + 4, 3.8))
+    width = 0.8 / len(bars)
+    for i, (variant, temperature) in enumerate(bars):
+        by_benchmark = {
+            r["benchmark"]: r["mean_accepted_length"]
+            for r in spec
+            if (_variant(r), r["temperature"]) == (variant, temperature)
+        }
+        values = [by_benchmark.get(b, 0) for b in benchmarks]
+        ax.bar([x + i * width for x in range(len(benchmarks))], values, width, label=f"{variant} T={temperature:g}")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(benchmarks))], [Path(b).stem for b in benchmarks])
     ax.set_ylabel("mean accepted length")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     paths.append(out / f"{name}_accepted_length.png")
     fig.savefig(paths[-1], dpi=110)

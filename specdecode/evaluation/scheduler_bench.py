@@ -4,23 +4,25 @@
 The rounds are real: DSpark's calibrated confidences and the number of drafts the target accepted, from
 decoding unseen prompts (`specdecode calibrate` records them). A batch step draws R recorded rounds; a
 policy picks l_r per request; the step yields sum_r (1 + min(accepted_r, l_r)) tokens (a draft's
-acceptance does not depend on later drafts) and costs R drafter passes plus one verify pass over
-B = sum_r (1 + l_r) tokens, both measured here. Normal decoding (no drafts) is listed too; it skips
-drafting, which the engine does request by request, so at R requests it saves R drafter passes per step.
+acceptance does not depend on later drafts) and costs one batched drafting call for the R requests (as
+the continuous engine drafts) plus one verify pass over B = sum_r (1 + l_r) tokens, both measured here.
+Normal decoding (no drafts) is listed too; it skips the drafting call.
 """
 
+import copy
 import random
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, TargetFeatures
 from specdecode.drafters.checkpoint import load_drafter
-from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.engine.scheduler import prefix_survival, schedule_prefix, schedule_threshold
 from specdecode.engine.sps import StepCostTable, profile_target
 from specdecode.evaluation.calibration_report import record_rounds, unseen_prompts
+from specdecode.evaluation.load import measure_quietly
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
@@ -30,11 +32,31 @@ NORMAL = "normal decoding (no drafts, no drafting)"
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
-def measure_draft_seconds(target: Target, drafter: Drafter, prompt: list[dict], params: SamplingParams) -> float:
-    """The engine's own drafting time per round, over one decoded prompt."""
-    decoder = SpeculativeDecoder(target, drafter, draft_length=drafter.config.block_size)
-    stats = decoder.generate(target.encode_chat(prompt), params, max_new_tokens=96)[0].stats
-    return stats.draft_s / max(1, len(stats.accepted_lengths))
+def measure_draft_seconds(
+    target: Target, drafter: Drafter, prompts: list[list[dict]], params: SamplingParams, requests: tuple[int, ...]
+) -> dict[int, float]:
+    """Seconds of one drafting call for R requests as the continuous engine makes it (`propose_batch`, each
+    request at its own prompt), median of 5 quiet calls, for every R in `requests`."""
+    target.set_capture_layers(drafter.target_layer_ids)
+    states = []
+    for i in range(max(requests)):
+        ids = target.encode_chat(prompts[i % len(prompts)])
+        out = target.features(torch.tensor(ids[:-1]))
+        state = copy.copy(drafter)
+        state.begin(ids, params, torch.Generator().manual_seed(i), TargetFeatures(out.layer_hidden, out.last_hidden))
+        states.append((state, ids))
+    gamma = drafter.config.block_size
+
+    def once(r: int) -> float:
+        t0 = time.perf_counter()
+        drafter.propose_batch([d for d, _ in states[:r]], [ids for _, ids in states[:r]], [gamma] * r)
+        return time.perf_counter() - t0
+
+    seconds = {}
+    for r in requests:
+        once(r)  # warm-up
+        seconds[r], _ = measure_quietly(lambda r=r: statistics.median(once(r) for _ in range(5)))
+    return seconds
 
 
 def replay(
@@ -50,8 +72,8 @@ def replay(
 ) -> dict:
     """Mean tokens per step, mean verify tokens B and tokens/s of the policy `choose(survivals, confidences)`
     over `trials` batches of `num_requests` recorded rounds (calibrated `confidences` (N, gamma), 0 past a
-    proposal's end). Every step pays R drafter passes (the confidences a policy reads come from them), except
-    with `drafting=False`: normal decoding."""
+    proposal's end). Every step pays `draft_s`, one batched drafting call for the R requests (the confidences
+    a policy reads come from it), except with `drafting=False`: normal decoding."""
     rng = random.Random(seed)
     survivals = prefix_survival(confidences)
     tokens = seconds = verify_tokens = 0.0
@@ -60,7 +82,7 @@ def replay(
         lengths = choose([survivals[r] for r in rows], [confidences[r] for r in rows])
         b = sum(1 + n for n in lengths)
         tokens += sum(1 + min(int(rounds.accepted[r]), n) for r, n in zip(rows, lengths, strict=True))
-        seconds += costs.step_seconds(b) + (num_requests * draft_s if drafting else 0.0)
+        seconds += costs.step_seconds(b) + (draft_s if drafting else 0.0)
         verify_tokens += b
     return {
         "tokens_per_step": tokens / trials,
@@ -88,14 +110,14 @@ def run_scheduler_bench(
     gamma = drafter.config.block_size
     temperatures = list(drafter.config.calibration_temperatures) or [1.0] * gamma
     costs = profile_target(target, sizes=PROFILE_SIZES)
-    draft_s = statistics.median(measure_draft_seconds(target, drafter, prompts[i], params) for i in range(3))
+    draft_s = measure_draft_seconds(target, drafter, prompts, params, requests)
 
     confidences = torch.nan_to_num(torch.sigmoid(rounds.logits / torch.tensor(temperatures)), nan=0.0)
     runs = []
     for r in requests:
 
         def step_rate(b: int, r: int = r) -> float:  # a step drafts for all R requests, then verifies B tokens
-            return 1.0 / (costs.step_seconds(b) + r * draft_s)
+            return 1.0 / (costs.step_seconds(b) + draft_s[r])
 
         policies = {
             "scheduler (Algorithm 1)": lambda s, c, rate=step_rate: schedule_prefix(s, rate),
@@ -104,7 +126,7 @@ def run_scheduler_bench(
         policies.update({f"fixed {n}": lambda s, c, n=n: [n] * len(s) for n in range(1, gamma + 1)})
         policies[NORMAL] = lambda s, c: [0] * len(s)
         for name, choose in policies.items():
-            result = replay(rounds, confidences, choose, r, costs, draft_s, trials, drafting=name != NORMAL)
+            result = replay(rounds, confidences, choose, r, costs, draft_s[r], trials, drafting=name != NORMAL)
             runs.append({"requests": r, "policy": name, **result})
     for r in requests:
         best_fixed = max(x["tokens_per_s"] for x in runs if x["requests"] == r and x["policy"].startswith("fixed "))
@@ -119,7 +141,7 @@ def run_scheduler_bench(
         runs,
         table,
         drafter=drafter_path,
-        draft_seconds_per_request=draft_s,
+        draft_seconds_by_requests=draft_s,
         cost_table=costs.to_dict(),
         calibration_temperatures=temperatures,
         recorded_rounds=len(rounds.accepted),
@@ -128,11 +150,13 @@ def run_scheduler_bench(
     return {"runs": runs}
 
 
-def _table(runs: list[dict], costs: StepCostTable, draft_s: float, num_rounds: int) -> str:
+def _table(runs: list[dict], costs: StepCostTable, draft_s: dict[int, float], num_rounds: int) -> str:
     profile = ", ".join(f"{t}: {1000 * s:.1f}" for t, s in zip(costs.tokens, costs.seconds, strict=True))
     lines = [
         f"Replay of {num_rounds} recorded DSpark rounds. Verify pass ms by tokens B (measured here): {profile}. "
-        f"Drafting: {1000 * draft_s:.1f} ms per request per step.",
+        "Drafting (one batched call for R requests), ms by R: "
+        + ", ".join(f"{r}: {1000 * t:.1f}" for r, t in draft_s.items())
+        + ".",
         "",
         "| requests R | policy | tokens / step | verify tokens B | accepted tokens/s | vs best fixed length >= 1 |",
         "|---:|---|---:|---:|---:|---:|",
