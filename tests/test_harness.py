@@ -3,7 +3,9 @@
 import json
 from functools import partial
 
-from specdecode.evaluation.harness import run_eval
+import pytest
+
+from specdecode.evaluation.harness import _pooled_acceptance, run_eval
 from tests.conftest import tiny_target
 
 
@@ -42,3 +44,12 @@ def test_eval_writes_results_and_resumes(tmp_path):
     evaluate()
     assert (out / "t.cells.jsonl").read_text() == cells  # nothing was generated twice
     assert (out / "t_acceptance.png").stat().st_size > 0
+
+
+def test_acceptance_curves_pool_benchmarks_by_rounds_reaching_each_position():
+    runs = [
+        {"position_attempts": [100, 30, 5], "per_position_acceptance": [0.3, 0.2, 1.0]},
+        {"position_attempts": [300, 60], "per_position_acceptance": [0.1, 0.5]},
+    ]
+    # position 1: (30 + 30) / 400; position 2: (6 + 30) / 90; position 3: 5 rounds, too few to plot
+    assert _pooled_acceptance(runs) == pytest.approx([0.15, 0.4])
