@@ -181,3 +181,12 @@ def test_sampling_params_shape_p():
     nucleus = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.5))
     assert int((nucleus > 0).sum()) == 1  # the top token alone holds more than half the mass
     assert torch.equal(probabilities(logits, SamplingParams()), torch.tensor([[1.0, 0, 0, 0]]))
+
+
+def test_sample_follows_the_distribution_and_never_draws_a_zero():
+    probs = torch.tensor([0.0, 0.45, 0.0, 0.05, 0.3, 0.2])
+    generator = torch.Generator().manual_seed(7)
+    n = 20000
+    counts = Counter(sample(probs, generator) for _ in range(n))
+    assert counts[0] == counts[2] == 0
+    assert chi_square_pvalue(counts, {i: float(p) for i, p in enumerate(probs)}, n) > 0.001

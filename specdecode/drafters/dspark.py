@@ -209,11 +209,6 @@ class BlockDrafter(Drafter):
         """DSpark samples its drafts from q at temperature > 0; DFlash's positions are marginals: argmax only."""
         return self.config.kind == "dspark" and not self.params.greedy
 
-    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self._samples:
-            return logits.argmax(-1)
-        return torch.tensor(sample(probabilities(logits, self.params), self.generator))
-
     def propose(self, ids: list[int], max_tokens: int) -> Proposal:
         return self.propose_batch([self], [ids], [max_tokens])[0]
 
@@ -235,15 +230,22 @@ class BlockDrafter(Drafter):
         kv, mask = _padded_context([drafters[r] for r in rows], g)
         h = model.backbone(inputs, positions, kv, mask)
 
+        drawn_from: dict[int, list[torch.Tensor]] = {r: [] for r in rows}  # q of each sampled draft
+
         def choose(logits: torch.Tensor) -> torch.Tensor:
-            return torch.stack([drafters[r]._choose(row) for r, row in zip(rows, logits, strict=True)])
+            tokens = logits.argmax(-1)
+            for i, r in enumerate(rows):
+                if drafters[r]._samples:
+                    drawn_from[r].append(probabilities(logits[i], drafters[r].params))
+                    tokens[i] = sample(drawn_from[r][-1], drafters[r].generator)
+            return tokens
 
         logits, conf, tokens = model.sequential(h, model.lm_head(h), anchors, choose=choose)
         temps = torch.tensor(c.calibration_temperatures or [1.0] * g)
         for i, r in enumerate(rows):
             d, n = drafters[r], max_tokens[r]
             confidences = None if conf is None else torch.sigmoid(conf[i, :n] / temps[:n])
-            probs = probabilities(logits[i, :n], d.params) if d._samples else None
+            probs = torch.stack(drawn_from[r][:n]) if d._samples else None
             proposals[r] = Proposal(tokens=tokens[i, :n], probs=probs, confidences=confidences)
         return proposals
 
