@@ -257,3 +257,12 @@ def test_load_summary_percentiles():
     level = summarize(timings, wall_s=1.0, clients=1)
     assert level["output_tokens_per_s"] == 5.0 and level["ttft_ms_p50"] == 200.0 and level["itl_ms_p50"] == 400.0
     assert level["tpot_ms_mean"] == 200.0 and level["mean_accepted_length"] == 1.5
+
+
+def test_serving_plot_is_written(tmp_path):
+    from specdecode.evaluation.serving_bench import plot_serving
+
+    level = {"output_tokens_per_s": 10.0, "tpot_ms_mean": 50.0}
+    runs = [{"configuration": c, "concurrency": n, **level} for c in ("none", "dspark-prefix") for n in (1, 4)]
+    plot_serving(runs, tmp_path / "serving.png")
+    assert (tmp_path / "serving.png").read_bytes()[:4] == b"\x89PNG"

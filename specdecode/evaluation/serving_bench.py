@@ -21,6 +21,7 @@ import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specdecode.drafters import Drafter, build_drafter
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
@@ -199,7 +200,7 @@ def run_serving_bench(
     name: str = "serving",
     vllm_python: str | None = None,
 ) -> dict:
-    """Every configuration at every concurrency level; writes `<out>/<name>.json` and `.md`."""
+    """Every configuration at every concurrency level; writes `<out>/<name>.json`, `.md` and `.png`."""
     if min(concurrencies) < 1 or requests < 1 or max_tokens < 1 or time_limit_s <= 0:
         raise SpecDecodeError("concurrency levels, requests, max_tokens and the time limit must all be positive")
     prompts = [item.turns[0] for item in load_benchmark(benchmark)]
@@ -270,5 +271,36 @@ def run_serving_bench(
         "max_len": max_len,
     }
     table = "\n".join(rows) + "".join(f"\n\n{label} did not run: {error}" for label, error in skipped.items())
+    plot = Path(out) / f"{name}.png"
+    plot_serving(runs, plot)
+    table += f"\n\n![{name}]({plot.name})"
     path = write_results(name, out, target.name, runs, table, limits=limits, failed_to_start=skipped)
     return {"path": str(path), "runs": runs}
+
+
+def plot_serving(runs: list[dict], path: Path) -> None:
+    """Output tokens/s and time per output token against concurrent clients, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for configuration in dict.fromkeys(r["configuration"] for r in runs):
+        mine = sorted((r for r in runs if r["configuration"] == configuration), key=lambda r: r["concurrency"])
+        clients = [r["concurrency"] for r in mine]
+        throughput.plot(clients, [r["output_tokens_per_s"] for r in mine], marker="o", label=configuration)
+        latency.plot(clients, [r["tpot_ms_mean"] for r in mine], marker="o", label=configuration)
+    throughput.set_ylabel("output tokens/s (all clients)")
+    latency.set_ylabel("time per output token, ms")
+    levels = sorted({r["concurrency"] for r in runs})
+    for ax in (throughput, latency):
+        ax.set_xlabel("concurrent clients")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(n) for n in levels])
+        ax.grid(alpha=0.3)
+    throughput.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
