@@ -17,6 +17,8 @@ class NgramDrafter(Drafter):
         self.min_ngram = min_ngram
 
     def propose(self, ids: list[int], max_tokens: int) -> Proposal:
+        if max_tokens <= 0:
+            return EMPTY_PROPOSAL
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             start = _last_earlier_match(ids, n)
             if start is not None:
