@@ -48,8 +48,8 @@ def test_eval_writes_results_and_resumes(tmp_path):
 
 def test_acceptance_curves_pool_benchmarks_by_rounds_reaching_each_position():
     runs = [
-        {"position_attempts": [100, 30, 5], "per_position_acceptance": [0.3, 0.2, 1.0]},
-        {"position_attempts": [300, 60], "per_position_acceptance": [0.1, 0.5]},
+        {"position_attempts": [100, 30, 5], "position_accepts": [30, 6, 5]},
+        {"position_attempts": [300, 60], "position_accepts": [30, 30]},
     ]
     # position 1: (30 + 30) / 400; position 2: (6 + 30) / 90; position 3: 5 rounds, too few to plot
     assert _pooled_acceptance(runs) == pytest.approx([0.15, 0.4])

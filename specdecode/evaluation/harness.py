@@ -188,6 +188,7 @@ def _aggregate(cells: dict, benchmarks, temperatures, labels, draft_length, tree
                     "accepted_length_histogram": histogram,
                     "per_position_acceptance": [round(a, 3) for a in stats.per_position_acceptance],
                     "position_attempts": stats.position_attempts,
+                    "position_accepts": stats.position_accepts,
                     "target_passes": stats.target_passes,
                     "draft_s": round(stats.draft_s, 2),
                     "verify_s": round(stats.verify_s, 2),
@@ -235,20 +236,11 @@ MIN_POSITION_ATTEMPTS = 20  # fewer rounds reaching a position make its acceptan
 def _pooled_acceptance(runs: list[dict]) -> list[float]:
     """Per-position acceptance over several benchmarks, each position weighted by the rounds that reached it;
     the curve stops where fewer than MIN_POSITION_ATTEMPTS rounds got that far."""
-    attempts, accepts = [], []
+    pooled = DecodeStats()
     for r in runs:
-        for j, (tries, rate) in enumerate(zip(r["position_attempts"], r["per_position_acceptance"], strict=True)):
-            if j == len(attempts):
-                attempts.append(0)
-                accepts.append(0.0)
-            attempts[j] += tries
-            accepts[j] += rate * tries
-    curve = []
-    for tries, hits in zip(attempts, accepts, strict=True):
-        if tries < MIN_POSITION_ATTEMPTS:
-            break
-        curve.append(hits / tries)
-    return curve
+        pooled.merge(DecodeStats(position_attempts=r["position_attempts"], position_accepts=r["position_accepts"]))
+    reached = [tries >= MIN_POSITION_ATTEMPTS for tries in pooled.position_attempts] + [False]
+    return pooled.per_position_acceptance[: reached.index(False)]
 
 
 def _plots(runs: list[dict], out: Path, name: str) -> list[Path]:
