@@ -8,13 +8,10 @@ of layer i is input of layer i + 1. The target's embedding stays out: engines sh
 """
 
 import json
-import shutil
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
-
 from specdecode.drafters.checkpoint import read_config
-from specdecode.drafters.shipped import EXPORT_DTYPES
+from specdecode.drafters.shipped import cast_weights, write_export
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import resolve
 
@@ -38,15 +35,10 @@ def export_eagle3(
     """Write `destination/{config.json, model.safetensors}` in the engines' EAGLE-3 format, floating-point
     weights cast to `dtype` (the d2t/t2d maps stay integer/boolean). The target's HF folder (by default the
     one of the target named in the checkpoint) gives the settings engines read from the draft's config."""
-    if dtype not in EXPORT_DTYPES:
-        raise SpecDecodeError(f"unknown export dtype '{dtype}'; choose one of {', '.join(EXPORT_DTYPES)}")
     config = read_config(source)
     if config["kind"] != "eagle3":
         raise SpecDecodeError(f"--format eagle3 exports EAGLE-3 drafters; {source} is a {config['kind']} drafter")
-    weights = {
-        engine_key(k): (v.to(EXPORT_DTYPES[dtype]) if v.is_floating_point() else v).contiguous()
-        for k, v in load_file(str(Path(source) / "model.safetensors")).items()
-    }
+    weights = {engine_key(k): v for k, v in cast_weights(source, dtype).items()}
     missing = [k for k in REQUIRED if k not in weights]
     if missing:
         raise SpecDecodeError(f"drafter checkpoint {source} is broken: no {', '.join(missing)}")
@@ -79,11 +71,4 @@ def export_eagle3(
             "use_aux_hidden_state": True,
         },
     }
-    out = Path(destination)
-    if out.resolve() == Path(source).resolve():
-        raise SpecDecodeError("export needs a destination other than the source checkpoint")
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    save_file(weights, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(engine_config, indent=1) + "\n")
-    return out
+    return write_export(source, destination, weights, engine_config)

@@ -26,19 +26,29 @@ def shipped_drafter(target_name: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
-def export_drafter(source: str | Path, destination: str | Path, dtype: str = "bfloat16") -> Path:
-    """Copy a drafter checkpoint with its floating-point weights cast to `dtype` (index buffers untouched)."""
+def cast_weights(source: str | Path, dtype: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors with the floating-point ones cast to `dtype` (index buffers untouched)."""
     if dtype not in EXPORT_DTYPES:
         raise SpecDecodeError(f"unknown export dtype '{dtype}'; choose one of {', '.join(EXPORT_DTYPES)}")
-    config = read_config(source)
     weights = load_file(str(Path(source) / "model.safetensors"))
-    cast = {k: v.to(EXPORT_DTYPES[dtype]) if v.is_floating_point() else v for k, v in weights.items()}
+    return {k: (v.to(EXPORT_DTYPES[dtype]) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
+
+
+def write_export(source: str | Path, destination: str | Path, weights: dict[str, torch.Tensor], config: dict) -> Path:
+    """Replace the folder `destination` with `weights` and `config.json`; never the source checkpoint."""
     out = Path(destination)
     if out.resolve() == Path(source).resolve():
         raise SpecDecodeError("export needs a destination other than the source checkpoint")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in cast.items()}, str(out / "model.safetensors"))
-    config["exported"] = {"from": str(source), "dtype": dtype}
+    save_file(weights, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     return out
+
+
+def export_drafter(source: str | Path, destination: str | Path, dtype: str = "bfloat16") -> Path:
+    """Copy a drafter checkpoint with its floating-point weights cast to `dtype` (index buffers untouched)."""
+    config = read_config(source)
+    weights = cast_weights(source, dtype)
+    config["exported"] = {"from": str(source), "dtype": dtype}
+    return write_export(source, destination, weights, config)
