@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=int, default=50)
     t.add_argument("--eval-every", type=int, default=50)
     t.add_argument("--seed", type=int, default=42)
+    t.add_argument(
+        "--collective-timeout", type=float, default=600.0, help="torchrun: seconds a rank waits on its peers"
+    )
 
     bt = bsub.add_parser("training", help="regeneration and trainer tokens/s")
     _add_target_args(bt)
@@ -524,6 +527,7 @@ def cmd_train(args) -> None:
         seed=args.seed,
         save_every=args.save_every,
         eval_every=args.eval_every,
+        collective_timeout_s=args.collective_timeout,
     )
     if args.drafter == "eagle3":
         architecture = {"draft_vocab_size": args.draft_vocab, "ttt_steps": args.ttt_steps, "num_anchors": args.anchors}

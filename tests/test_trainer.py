@@ -1,12 +1,14 @@
 """The trainer's promises: schedule, exact resume after SIGKILL and SIGTERM, DDP = gradient accumulation,
 and the offline feature cache serving what the target computes.
 
-Run as a module (`python -m tests.test_trainer OUT_DIR GRAD_ACCUM STEP_DELAY_S`) this file trains the tiny
-stand-in drafter, so the tests can kill, signal and restart real training processes (and run it under torchrun).
+Run as a module (`python -m tests.test_trainer OUT_DIR GRAD_ACCUM STEP_DELAY_S [VANISH_AT]`) this file trains the
+tiny stand-in drafter, so the tests can kill, signal and restart real training processes (and run it under
+torchrun; with VANISH_AT, rank 1 exits without a word at its VANISH_AT-th micro-batch).
 """
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,15 +44,20 @@ STEPS = 12  # 24 examples, global batch 4: two epochs of six steps
 class TinyDrafter(nn.Module):
     """Next-token CE from the features; a random quarter of positions is dropped, so the generator matters."""
 
-    def __init__(self, step_delay_s: float = 0.0) -> None:
+    def __init__(self, step_delay_s: float = 0.0, vanish_at: int | None = None) -> None:
         super().__init__()
         self.mix = nn.Linear(LAYERS * HIDDEN, HIDDEN, bias=False)
         self.head = nn.Linear(HIDDEN, VOCAB)
         self.frozen = nn.Embedding(VOCAB, HIDDEN).requires_grad_(False)  # like the copied target embedding
         self.step_delay_s = step_delay_s  # slows the subprocess runs down enough to interrupt them
+        self.vanish_at = vanish_at  # rank 1 dies silently here: a peer that is gone
+        self.calls = 0
 
     def training_losses(self, batch, generator: torch.Generator) -> dict[str, torch.Tensor]:
         time.sleep(self.step_delay_s)
+        self.calls += 1
+        if self.calls == self.vanish_at and os.environ.get("RANK") == "1":
+            os._exit(0)
         dtype = self.head.weight.dtype
         h = batch.last_hidden.to(dtype) + self.mix(batch.layer_hidden.to(dtype)) + self.frozen(batch.input_ids)
         logits = self.head(h[:, :-1]).float()
@@ -82,9 +89,11 @@ def tiny_examples(n: int, seed: int) -> list[Example]:
     return examples
 
 
-def run_tiny_training(out_dir, grad_accum: int = 2, step_delay_s: float = 0.0, dtype=torch.float32, **overrides):
+def run_tiny_training(
+    out_dir, grad_accum: int = 2, step_delay_s: float = 0.0, dtype=torch.float32, vanish_at=None, **overrides
+):
     torch.manual_seed(0)
-    model = TinyDrafter(step_delay_s).to(dtype)
+    model = TinyDrafter(step_delay_s, vanish_at).to(dtype)
     config = dict(lr=3e-2, micro_batch_size=2, grad_accum=grad_accum, max_steps=STEPS, warmup_ratio=0.25)
     config.update(save_every=3, eval_every=4, eval_examples=4, **overrides)
     return train(model, tiny_examples(24, 1), tiny_examples(6, 2), FakeFeatures(), TrainConfig(**config), out_dir)
@@ -113,8 +122,12 @@ def logged_step(out_dir: Path) -> int:
         return 0
 
 
-def start_training(out_dir: Path, grad_accum: int, step_delay_s: float, nproc: int = 1) -> subprocess.Popen:
+def start_training(
+    out_dir: Path, grad_accum: int, step_delay_s: float, nproc: int = 1, vanish_at: int | None = None
+) -> subprocess.Popen:
+    """The training subprocess, in a session of its own so a test that gives up can kill all of it."""
     args = ["-m", "tests.test_trainer", str(out_dir), str(grad_accum), str(step_delay_s)]
+    args += [] if vanish_at is None else [str(vanish_at)]
     if nproc > 1:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -122,14 +135,28 @@ def start_training(out_dir: Path, grad_accum: int, step_delay_s: float, nproc: i
         args = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port), *args]
     log = open(out_dir.parent / f"{out_dir.name}.log", "w")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def finish(process: subprocess.Popen, out_dir: Path, timeout_s: float) -> tuple[int, str]:
+    """The exit status and log of a training run; one still running after `timeout_s` is a failed test, and
+    its whole process group (torchrun's launcher and every rank) is killed first, so nothing outlives it."""
+    log = out_dir.parent / f"{out_dir.name}.log"
+    try:
+        return process.wait(timeout=timeout_s), log.read_text()
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        pytest.fail(f"training still running after {timeout_s:g} s (killed its process group):\n{log.read_text()}")
 
 
 def wait_until(condition, process: subprocess.Popen, out_dir: Path, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             pytest.fail("training ended or hung too early:\n" + (out_dir.parent / f"{out_dir.name}.log").read_text())
         time.sleep(0.02)
 
@@ -192,7 +219,7 @@ def test_sigterm_saves_exits_cleanly_and_resumes(tmp_path, reference):
     process = start_training(out_dir, grad_accum=2, step_delay_s=0.1)
     wait_until(lambda: logged_step(out_dir) >= 4, process, out_dir)
     process.terminate()
-    assert process.wait(timeout=30) == 0
+    assert finish(process, out_dir, timeout_s=30)[0] == 0
     stopped = latest_step(out_dir)
     assert stopped == logged_step(out_dir) < STEPS  # saved at the step boundary after the signal
     run_tiny_training(out_dir)
@@ -203,8 +230,21 @@ def test_two_ddp_processes_equal_one_process_accumulating_two_micro_batches(tmp_
     out_dir = tmp_path / "ddp"
     out_dir.mkdir()
     process = start_training(out_dir, grad_accum=1, step_delay_s=0.0, nproc=2)
-    assert process.wait(timeout=300) == 0, (tmp_path / "ddp.log").read_text()
+    status, log = finish(process, out_dir, timeout_s=300)
+    assert status == 0, log
     assert_same_curve(losses(out_dir), reference, tol=1e-5)
+
+
+def test_a_rank_whose_peer_vanished_fails_with_one_clear_error(tmp_path):
+    """Rank 1 exits mid-run without a word: rank 0 must fail (not hang), say why, and torchrun exit non-zero."""
+    out_dir = tmp_path / "ddp"
+    out_dir.mkdir()
+    # rank 1's 6th micro-batch is step 5's (the step-4 eval ran one)
+    process = start_training(out_dir, grad_accum=1, step_delay_s=0.0, nproc=2, vanish_at=6)
+    status, log = finish(process, out_dir, timeout_s=120)
+    assert status != 0, log
+    assert "rank 0 of 2 failed at step 5" in log, log
+    assert latest_step(out_dir) == 3  # the checkpoint before the failure is there to resume from
 
 
 def test_offline_cache_serves_what_the_target_computes(tmp_path, monkeypatch):
@@ -247,4 +287,8 @@ def test_offline_cache_serves_what_the_target_computes(tmp_path, monkeypatch):
 
 
 if __name__ == "__main__":  # the subprocess side of the resume and DDP tests
-    run_tiny_training(sys.argv[1], grad_accum=int(sys.argv[2]), step_delay_s=float(sys.argv[3]))
+    vanish = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    run_tiny_training(
+        sys.argv[1], grad_accum=int(sys.argv[2]), step_delay_s=float(sys.argv[3]), vanish_at=vanish,
+        collective_timeout_s=30.0,
+    )  # fmt: skip

@@ -22,6 +22,7 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.target import first_line
 from specdecode.training.data import Example
 from specdecode.training.features import (
     FeatureBatch,
@@ -45,7 +47,7 @@ from specdecode.training.features import (
 KEEP_CHECKPOINTS = 2
 METRICS = "metrics.jsonl"
 # changing these between a run and its resume changes nothing that was computed
-RESUMABLE_CHANGES = {"save_every", "eval_every", "eval_examples", "log_every", "grad_accum"}
+RESUMABLE_CHANGES = {"save_every", "eval_every", "eval_examples", "log_every", "grad_accum", "collective_timeout_s"}
 
 
 @dataclass
@@ -65,6 +67,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_examples: int = 32
     log_every: int = 1
+    collective_timeout_s: float = 600.0  # under torchrun: a rank waiting longer on its peers fails instead of hanging
 
 
 def lr_at(step: int, total_steps: int, config: TrainConfig) -> float:
@@ -139,7 +142,10 @@ def train(
     if own_group:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(seconds=config.collective_timeout_s),
+        )
     rank = dist.get_rank() if ddp else 0
     master = rank == 0
     out_dir = Path(out_dir)
@@ -197,6 +203,7 @@ def train(
     keys: list[str] = []
     order_epoch, order = -1, np.empty(0, dtype=np.int64)
     model.train()
+    finished = False
     with _StopRequest() as stop:
         try:
             while step < total_steps:
@@ -293,12 +300,28 @@ def train(
                     if master:
                         bar.write(f"stop requested: saved step {step} in {out_dir}; run again to resume")
                     break
+            finished = True
+        except RuntimeError as e:  # gloo reports a lost or silent peer as a plain RuntimeError
+            if not ddp:
+                raise
+            raise SpecDecodeError(
+                f"rank {rank} of {world_size} failed at step {step + 1} ({first_line(e)}); when another rank has "
+                f"stopped or hangs, its peers fail like this within {config.collective_timeout_s:g} s; "
+                f"rerun to resume from the last checkpoint in {out_dir}"
+            ) from e
         finally:
             bar.close()
             if metrics_file:
                 metrics_file.close()
-            if own_group:
-                dist.destroy_process_group()
+            if ddp and finished:
+                # gloo's worker thread frees a finished collective's Python tensors, which needs the GIL, while
+                # DDP's destructor joins that thread holding the GIL: dropping DDP before the worker is done
+                # deadlocks the rank (seen after the final checkpoint's all_gather_object). The barrier waits
+                # without the GIL until every rank is here, so each worker has freed its last tensor by then.
+                dist.barrier()
+                trainee = None
+                if own_group:
+                    dist.destroy_process_group()
     return {**record, "eval": last_eval, "interrupted": step < total_steps}
 
 
