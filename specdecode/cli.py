@@ -8,6 +8,7 @@ import json
 import sys
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.linear import KERNELS
 from specdecode.models.registry import DEFAULT_TARGET
 
 
@@ -19,8 +20,13 @@ class _Parser(argparse.ArgumentParser):
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="registry name, HF folder or org/name hub id")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU")
-    p.add_argument("--kernel", default="auto", choices=["auto", "stock", "onednn"], help="CPU linear kernel")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default: bf16 on GPUs; on CPUs bf16 where native and measured faster, else fp32",
+    )
+    p.add_argument("--kernel", default="auto", choices=KERNELS, help="CPU linear kernel (auto: fastest measured)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -89,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     bp = bsub.add_parser("premise", help="t(k)/t(1) of the target's verify pass, per kernel, dtype and context")
     bp.add_argument("--target", default=DEFAULT_TARGET)
-    bp.add_argument("--positions", default="1,2,3,4,6,8,12,16")
+    bp.add_argument("--positions", default=",".join(str(k) for k in range(1, 17)))
     bp.add_argument("--contexts", default="128,512,1024")
-    bp.add_argument("--reps", type=int, default=15)
+    bp.add_argument("--reps", type=int, default=9)
     bp.add_argument("--out", default="docs/results")
     bb = bsub.add_parser("baselines", help="tokens/s of none / ngram / draft-model, interleaved")
     _add_target_args(bb)
@@ -112,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--top-p", type=float, default=0.8)
     dr.add_argument("--top-k", type=int, default=20)
     dr.add_argument("--max-new-tokens", type=int, default=256)
-    dr.add_argument("--batch-size", type=int, default=8)
+    dr.add_argument("--batch-size", type=int, default=64, help="conversations answered at once")
     dr.add_argument("--seed", type=int, default=0)
 
     dc = dsub.add_parser("cache", help="write the offline target-feature cache for training")
@@ -165,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     bpe.add_argument("--repeats", type=int, default=2)
     bpe.add_argument(
         "--eagle3", default=None, help="an EAGLE-3 drafter folder: also run it in specdecode and, exported, in vLLM"
+    )
+    bpe.add_argument(
+        "--llamacpp-python", default=None, help="python of a venv with llama-cpp-python (omit to skip llama.cpp)"
+    )
+    bpe.add_argument(
+        "--gguf", action="append", default=[], help="a GGUF file of the same weights for llama.cpp (repeatable)"
     )
     bpe.add_argument("--out", default="docs/results")
 
@@ -416,7 +428,16 @@ def cmd_bench(args) -> None:
     elif args.bench == "peers":
         from specdecode.evaluation.peers import run_peers
 
-        run_peers(_load_target(args), args.out, args.vllm_python, args.max_new_tokens, args.repeats, args.eagle3)
+        run_peers(
+            _load_target(args),
+            args.out,
+            args.vllm_python,
+            args.max_new_tokens,
+            args.repeats,
+            args.eagle3,
+            args.llamacpp_python,
+            tuple(args.gguf),
+        )
     elif args.bench == "table1":
         from specdecode.evaluation.table1 import run_table1
 

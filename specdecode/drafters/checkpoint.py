@@ -107,7 +107,7 @@ def load_drafter(path: str | Path, target: Target):
             arch = DSparkConfig(**config["architecture"])
         except TypeError as e:
             raise SpecDecodeError(f"drafter checkpoint {path} has an invalid architecture ({first_line(e)})") from e
-        model = DSparkModel(arch, target.model.get_input_embeddings(), target.model.get_output_embeddings())
+        model = DSparkModel(arch, target.model.get_input_embeddings(), target.output_head())
         load_weights(model, path)
         return BlockDrafter(model.to(target.device))
     if kind == "eagle3":
@@ -119,7 +119,7 @@ def load_drafter(path: str | Path, target: Target):
             model = Eagle3Model(
                 arch,
                 target.model.get_input_embeddings(),
-                target.model.get_output_embeddings(),
+                target.output_head(),
                 torch.arange(arch.draft_vocab_size),
             )
         except (TypeError, IndexError, RuntimeError, SpecDecodeError) as e:

@@ -9,7 +9,7 @@ head. Any HF folder or registry name with the same vocabulary can be used instea
 import copy
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
 from specdecode.errors import SpecDecodeError
@@ -49,33 +49,46 @@ class DraftModelDrafter(Drafter):
                 model = AutoModelForCausalLM.from_pretrained(source, dtype=target.model.dtype)
             except Exception as e:  # missing or corrupt weights surface as many different errors
                 raise _load_error(model_name, source, e) from e
-        self.model = model.to(target.device).eval()
         self.description = f"{model_name}" if model_name else f"first {layers} layers of {target.name}"
-        self.device = target.device
+        # run like the target: the same runner, kernels and cache, one request at a time
+        self.draft = Target(model.to(target.device), target.tokenizer, name=self.description, kernel=target.kernel)
+        self._owner: DraftModelDrafter | None = None  # the instance whose request the draft's cache holds
+        self._cached: list[int] = []  # the tokens whose keys and values the draft's cache holds
 
     def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:
         self.params = params
         self.generator = generator
-        self.cache = DynamicCache(config=self.model.config)
+        if self._owner is not self:  # a per-request copy (the continuous engine): a cache of its own
+            self.draft = copy.copy(self.draft)
+            self.draft.kv = self.draft.new_cache(1, self.draft.kv.capacity)
+            self.draft.reset()
+            self._owner, self._cached = self, []
+        # another sample of the same prompt (or a conversation's next turn) keeps what the cache shares with it
+        held = self._cached[: self.draft.cache_length]
+        shared = len(held)
+        for i, (a, b) in enumerate(zip(held, prompt_ids, strict=False)):
+            if a != b:
+                shared = i
+                break
+        self.draft.rollback(min(shared, len(prompt_ids) - 1))  # the last prompt token is fed by the first propose
 
     @torch.inference_mode()
     def propose(self, ids: list[int], max_tokens: int) -> Proposal:
         if max_tokens <= 0:
             return Proposal(tokens=torch.empty(0, dtype=torch.long))
-        pending = ids[self.cache.get_seq_length() :]  # committed tokens the draft has not seen yet
+        pending = ids[self.draft.cache_length :]  # committed tokens the draft has not seen yet
+        self._cached = list(ids)  # after the loop the cache holds ids and all drafts but the last
         tokens, dists = [], []
         for _ in range(max_tokens):
-            x = torch.tensor([pending], device=self.device)
-            logits = self.model(input_ids=x, cache=self.cache, use_cache=True).logits[0, -1]
+            logits = self.draft.forward(torch.tensor(pending)).logits[-1]
             q = probabilities(logits, self.params)
             token = int(q.argmax()) if self.params.greedy else sample(q, self.generator)
             tokens.append(token)
             dists.append(q)
             pending = [token]
+        self._cached += tokens[:-1]
         return Proposal(tokens=torch.tensor(tokens, dtype=torch.long), probs=torch.stack(dists))
 
     def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
         # cache = committed-before-round + drafts 1..k-1; drafts past the first rejection are stale
-        excess = self.cache.get_seq_length() - (len(ids) - 1)
-        if excess > 0:
-            self.cache.crop(-excess)
+        self.draft.rollback(len(ids) - 1)

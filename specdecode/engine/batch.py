@@ -1,8 +1,9 @@
 """The batched verify pass: R requests, each with its own context and its own 1 + l_r new tokens, verified
 in one target forward and accepted independently.
 
-Design: a slot KV cache. Every layer owns two preallocated buffers (slots, kv_heads, max_len, head_dim); a
-request owns a slot and a length. Why slots, and not one DynamicCache per request or a paged cache:
+Design: a slot KV cache (`models/llama.KVCache`): every layer owns preallocated buffers (slots, kv_heads,
+max_len, head_dim); a request owns a slot and a length. Why slots, and not one cache per request or a
+paged cache:
 - one forward needs all rows' keys and values in one tensor; the slot buffers already are that tensor, so
   a pass copies nothing but its new entries (and gathers rows only when the slots in use are not adjacent);
 - rolling a request back is setting its length: entries past it are never attended and get overwritten;
@@ -18,60 +19,14 @@ entry, so no softmax row is empty and no NaN appears, and its keys and values ar
 from dataclasses import dataclass
 
 import torch
-from transformers import Cache
 
 from specdecode.drafters.base import Proposal, TargetFeatures
 from specdecode.engine.sps import DEFAULT_SIZES, StepCostTable, load_or_profile
 from specdecode.errors import SpecDecodeError
-from specdecode.models.target import PassOutput, Target
+from specdecode.models.llama import Output, Rows
+from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams, probabilities
 from specdecode.verify import ChainResult, verify_chain, verify_greedy
-
-
-@dataclass
-class _PassLayout:
-    """Where the pass in flight writes and what it reads, shared by every layer."""
-
-    write_slots: torch.Tensor  # (N,) slot of each real (non-padded) query
-    write_positions: torch.Tensor  # (N,) its position in the slot
-    real: torch.Tensor  # (R, Q) bool: which queries are real
-    rows: torch.Tensor  # (R,) the slots of the rows, in row order
-    adjacent: bool  # rows are slots rows[0], rows[0] + 1, ...: read a view instead of gathering
-    kv_length: int  # entries read per row: the longest row's length after the pass
-
-
-class SlotCache(Cache):
-    """A `transformers` Cache whose `update()` writes each row's new keys and values at that row's offset in
-    its own slot and returns the rows' buffers up to the longest row (the mask hides the rest)."""
-
-    def __init__(self, target: Target, slots: int, max_len: int) -> None:
-        super().__init__(layers=[])
-        c = target.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        shape = (slots, c.num_key_value_heads, max_len, head_dim)
-        dtype = next(target.model.parameters()).dtype
-        # zeros, not empty: a padded query may read stale entries, which must be finite
-        self.key_buffers = [torch.zeros(shape, dtype=dtype, device=target.device) for _ in range(c.num_hidden_layers)]
-        self.value_buffers = [torch.zeros(shape, dtype=dtype, device=target.device) for _ in range(c.num_hidden_layers)]
-        self.lengths = [0] * slots
-        self.max_len = max_len
-        self.layout: _PassLayout | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.key_buffers + self.value_buffers)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key_states (R, kv_heads, Q, head_dim) of the pass's queries -> every row's keys and values so far."""
-        p = self.layout
-        keys, values = self.key_buffers[layer_idx], self.value_buffers[layer_idx]
-        keys[p.write_slots, :, p.write_positions] = key_states.transpose(1, 2)[p.real]
-        values[p.write_slots, :, p.write_positions] = value_states.transpose(1, 2)[p.real]
-        if p.adjacent:
-            first = int(p.rows[0])
-            rows = slice(first, first + len(p.rows))
-            return keys[rows, :, : p.kv_length], values[rows, :, : p.kv_length]
-        return keys[p.rows, :, : p.kv_length], values[p.rows, :, : p.kv_length]
 
 
 class BatchedTarget:
@@ -85,7 +40,8 @@ class BatchedTarget:
                 f"max_len {max_len} is out of range: {target.name}'s context holds 2 .. {target.max_context} tokens"
             )
         self.target = target
-        self.cache = SlotCache(target, slots, max_len)
+        self.cache = target.new_cache(slots, max_len)
+        self.lengths = [0] * slots
         self.slots = slots
         self.max_len = max_len
         self._free = list(range(slots))
@@ -106,7 +62,7 @@ class BatchedTarget:
             raise SpecDecodeError("every KV slot is in use")
         slot = min(self._free)
         self._free.remove(slot)
-        self.cache.lengths[slot] = 0
+        self.lengths[slot] = 0
         return slot
 
     def release(self, slot: int) -> None:
@@ -115,48 +71,30 @@ class BatchedTarget:
         self._free.append(slot)
 
     def length(self, slot: int) -> int:
-        return self.cache.lengths[slot]
+        return self.lengths[slot]
 
     def rollback(self, slot: int, length: int) -> None:
         """Keep the slot's first `length` entries (never grows it)."""
-        self.cache.lengths[slot] = min(self.cache.lengths[slot], length)
+        self.lengths[slot] = min(self.lengths[slot], length)
 
     # ---------------------------------------------------------------- the pass
-    def forward(self, slots: list[int], rows: list[torch.Tensor], logits: bool = True) -> PassOutput:
+    def forward(self, slots: list[int], rows: list[torch.Tensor], logits: bool = True) -> Output:
         """Append `rows[r]` (n_r new tokens) to slot `slots[r]` in one target pass; outputs are (R, Q, ...)
         with Q = max n_r, and row r's outputs past n_r are padding."""
         if len(slots) != len(rows) or not rows or len(set(slots)) != len(slots):
             raise SpecDecodeError("a batched pass needs one row per distinct slot, and at least one row")
-        counts = torch.tensor([len(row) for row in rows])
-        starts = torch.tensor([self.cache.lengths[s] for s in slots])
-        if int(counts.min()) < 1:
+        counts = [len(row) for row in rows]
+        starts = [self.lengths[s] for s in slots]
+        if min(counts) < 1:
             raise SpecDecodeError("every row of a batched pass holds at least one token")
-        if int((starts + counts).max()) > self.max_len:
+        if max(s + c for s, c in zip(starts, counts, strict=True)) > self.max_len:
             raise SpecDecodeError(f"a row would outgrow its KV slot of {self.max_len} tokens")
-        width = int(counts.max())
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        ids = torch.zeros(len(rows), max(counts), dtype=torch.long)
         for r, row in enumerate(rows):
             ids[r, : len(row)] = row
-        offsets = torch.arange(width)
-        positions = starts[:, None] + offsets  # (R, Q)
-        real = offsets[None] < counts[:, None]
-        kv_length = int((starts + counts).max())
-        mask = torch.arange(kv_length)[None, None] <= positions[:, :, None]  # (R, Q, kv): causal within each slot
-        slot_ids = torch.tensor(slots)
-        self.cache.layout = _PassLayout(
-            write_slots=slot_ids[:, None].expand_as(positions)[real].to(self.target.device),
-            write_positions=positions[real].to(self.target.device),
-            real=real.to(self.target.device),
-            rows=slot_ids.to(self.target.device),
-            adjacent=slots == list(range(slots[0], slots[0] + len(slots))),
-            kv_length=kv_length,
-        )
-        try:
-            out = self.target.forward_rows(ids, self.cache, positions, mask[:, None], logits=logits)
-        finally:
-            self.cache.layout = None
-        for s, start, n in zip(slots, starts.tolist(), counts.tolist(), strict=True):
-            self.cache.lengths[s] = start + n
+        out = self.target.run(ids, self.cache, Rows.batch(slots, starts, counts), logits=logits)
+        for s, start, n in zip(slots, starts, counts, strict=True):
+            self.lengths[s] = start + n
         return out
 
 
@@ -209,8 +147,13 @@ def profile_batched_pass(
     sizes = tuple(b for b in DEFAULT_SIZES if b <= max(max_tokens, 2))
     context = max(1, min(context, batched.max_len - -(-sizes[-1] // batched.slots)))
     target = batched.target
-    dtype = str(next(target.model.parameters()).dtype)
-    key = {"target": target.name, "kernel": target.kernel, "dtype": dtype, "context": context, "rows": batched.slots}
+    key = {
+        "target": target.name,
+        "kernel": target.kernel,
+        "dtype": str(target.dtype),
+        "context": context,
+        "rows": batched.slots,
+    }
     slots: list[int] = []
 
     def run_pass(num_tokens: int) -> None:

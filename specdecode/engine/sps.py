@@ -110,8 +110,7 @@ def profile_target(
         target.forward(torch.zeros(num_tokens, dtype=torch.long))
         target.rollback(context)
 
-    dtype = str(next(target.model.parameters()).dtype)
-    key = {"target": target.name, "kernel": target.kernel, "dtype": dtype, "context": context, "rows": 1}
+    key = {"target": target.name, "kernel": target.kernel, "dtype": str(target.dtype), "context": context, "rows": 1}
     table = load_or_profile(key, run_pass, sizes, reps, refresh)
     if prefilled:
         target.reset()

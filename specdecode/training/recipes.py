@@ -81,7 +81,7 @@ def build_block_drafter(
         confidence_head=dspark,
         num_anchors=num_anchors,
     )
-    return DSparkModel(config, target.model.get_input_embeddings(), target.model.get_output_embeddings())
+    return DSparkModel(config, target.model.get_input_embeddings(), target.output_head())
 
 
 def draft_vocabulary(examples: list[Example], vocab_size: int, size: int) -> torch.Tensor:
@@ -115,7 +115,7 @@ def build_eagle3_drafter(
         ttt_steps=ttt_steps,
         num_anchors=num_anchors,
     )
-    head = target.model.get_output_embeddings()
+    head = target.output_head()
     model = Eagle3Model(config, target.model.get_input_embeddings(), head, draft_ids)
     with torch.no_grad():  # start as the target's own read-out, restricted to the draft vocabulary
         model.norm.weight.copy_(target.model.model.norm.weight)

@@ -2,23 +2,30 @@
 
 A drafter is judged by how often the target agrees with it, so it must learn the target's own outputs,
 not a data set's human answers (all three papers regenerate). Conversations are answered turn by turn,
-each user turn seeing the target's earlier answers, in batches (left-padded) for throughput. Output is
-JSONL shards; each finished conversation is one line written and fsynced at once, so a restart skips
-finished ids and loses nothing but the batch in flight.
+each user turn seeing the target's earlier answers. Every turn is a request to the continuous engine
+(`engine/continuous.py`, normal decoding): `batch_size` requests decode together, one batched runner pass
+per token, and a finished one hands its slot to the next at once. Each turn samples from its own seed
+(seed, conversation index, turn), so what is written depends neither on batching nor on restarts. Output
+is JSONL shards; each finished conversation is one line written and fsynced at once, so a restart skips
+finished ids and loses only the conversations in flight.
 """
 
 import json
 import os
+import queue
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
+from specdecode.drafters.base import Drafter
+from specdecode.engine.continuous import ContinuousEngine, EngineConfig
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
+from specdecode.sampling import SamplingParams
 from specdecode.training.prompts import Conversation
+from specdecode.training.trainer import derived_seed
 
 SHARD_GLOB = "shard-*.jsonl"
 
@@ -31,7 +38,8 @@ class RegenerationSettings:
     top_p: float = 0.8
     top_k: int = 20
     max_new_tokens: int = 256
-    batch_size: int = 8
+    batch_size: int = 64  # requests decoding at once (KV slots)
+    max_len: int = 1024  # tokens a turn may hold, the conversation so far included
     shard_size: int = 500
     seed: int = 0
 
@@ -86,30 +94,6 @@ class _ShardWriter:
             self.file.close()
 
 
-@torch.inference_mode()
-def answer_batch(target: Target, chats: list[list[dict]], settings: RegenerationSettings) -> list[tuple[str, int]]:
-    """One assistant answer per chat, sampled from the target in one left-padded batch: (text, tokens)."""
-    tokenizer = target.tokenizer
-    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for chat in chats]
-    tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
-    out = target.model.generate(
-        **batch,
-        do_sample=settings.temperature > 0,
-        temperature=settings.temperature or None,
-        top_p=settings.top_p,
-        top_k=settings.top_k,
-        max_new_tokens=settings.max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    answers = []
-    eos = target.eos_token_ids
-    for row in out[:, batch["input_ids"].shape[1] :].tolist():
-        length = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        answers.append((tokenizer.decode(row[:length], skip_special_tokens=True).strip(), length))
-    return answers
-
-
 def regenerate(
     target: Target, conversations: list[Conversation], out_dir: str, settings: RegenerationSettings
 ) -> RegenerationReport:
@@ -121,43 +105,65 @@ def regenerate(
         raise SpecDecodeError("conversation ids must be unique")
     _check_settings(out, settings)
     finished = {r["id"] for r in read_records(out)}
-    todo = [c for c in conversations if c.id not in finished]
+    todo = [(index, c) for index, c in enumerate(conversations) if c.id not in finished]
+    params = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+    config = EngineConfig(max_batch=settings.batch_size, max_len=settings.max_len, draft_length=0)
+    engine = ContinuousEngine(target, Drafter(), config)
+    answered: queue.Queue = queue.Queue()
+    chats: dict[str, list[dict]] = {}
+
+    def ask(index: int, conversation: Conversation, turn: int) -> bool:
+        """Queue the conversation's next user turn; False when it no longer fits a slot."""
+        chat = chats.setdefault(conversation.id, [])
+        chat.append({"role": "user", "content": conversation.turns[turn]})
+        prompt = target.encode_chat(chat)
+        room = min(settings.max_new_tokens, settings.max_len - len(prompt))
+        if room < 1:
+            chat.pop()
+            return False
+        engine.submit(
+            prompt,
+            params,
+            room,
+            seed=derived_seed(settings.seed, index, turn),
+            on_done=lambda outcome: answered.put((index, conversation, turn, outcome)),
+        )
+        return True
+
     writer = _ShardWriter(out, settings.shard_size)
     bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate", unit="conv")
     new_tokens, start = 0, time.perf_counter()
+    engine.start()
     try:
-        for first in range(0, len(todo), settings.batch_size):
-            batch = todo[first : first + settings.batch_size]
-            # seeded by the batch's first id: a run resumed between batches samples as an unbroken one
-            torch.manual_seed(settings.seed + ids.index(batch[0].id))
-            chats: list[list[dict]] = [[] for _ in batch]
-            for turn in range(max(len(c.turns) for c in batch)):
-                active = [i for i, c in enumerate(batch) if turn < len(c.turns)]
-                for i in active:
-                    chats[i].append({"role": "user", "content": batch[i].turns[turn]})
-                for i, (text, n) in zip(
-                    active, answer_batch(target, [chats[i] for i in active], settings), strict=True
-                ):
-                    chats[i].append({"role": "assistant", "content": text})
-                    new_tokens += n
-            for conversation, chat in zip(batch, chats, strict=True):
-                writer.write({"id": conversation.id, "source": conversation.source, "messages": chat})
-            seconds = time.perf_counter() - start
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{new_tokens / seconds:.1f}")
+        waiting = sum(ask(index, conversation, 0) for index, conversation in todo)
+        skipped = len(todo) - waiting
+        while waiting:
+            index, conversation, turn, outcome = answered.get()
+            if isinstance(outcome, Exception):
+                raise outcome
+            chats[conversation.id].append({"role": "assistant", "content": outcome.text.strip()})
+            new_tokens += len(outcome.token_ids)
+            if turn + 1 < len(conversation.turns) and ask(index, conversation, turn + 1):
+                continue  # a later turn that does not fit ends the conversation with the turns answered so far
+            writer.write({"id": conversation.id, "source": conversation.source, "messages": chats.pop(conversation.id)})
+            waiting -= 1
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
     finally:
+        engine.stop(drain=False)
         writer.close()
         bar.close()
-    return RegenerationReport(
-        len(conversations), len(conversations) - len(todo), new_tokens, time.perf_counter() - start
-    )
+    if skipped:
+        print(f"regenerate: skipped {skipped} conversations whose first turn does not fit {settings.max_len} tokens")
+    seconds = time.perf_counter() - start
+    return RegenerationReport(len(conversations), len(conversations) - len(todo), new_tokens, seconds)
 
 
 def _check_settings(out: Path, settings: RegenerationSettings) -> None:
     """A resumed run must sample like the first one; mixing settings in one data set is refused."""
     path = out / "settings.json"
     mine = asdict(settings)
-    mine.pop("batch_size")  # batching changes throughput, not the distribution
+    mine.pop("batch_size")  # batching changes throughput, not what is sampled
     mine.pop("shard_size")
     if path.exists():
         theirs = json.loads(path.read_text())

@@ -1,0 +1,218 @@
+"""The linear layers of the runner, with the kernel for each number of rows chosen by measuring this machine.
+
+A decode step and a verify pass multiply a few rows by every weight matrix: the pass is a stream over the
+weights, and its speed is the kernel's bandwidth at that row count. Which kernel streams fastest differs
+between CPUs (MKL's one-row path ran at 9-11 GB/s on an AMD EPYC, a fifth of its plain read bandwidth;
+oneDNN with a prepacked weight is slower at one row and faster at eight on some machines), so nothing is
+assumed: `plan_kernels` times every candidate on the model's own weights at each row bucket and keeps the
+fastest, and the plan is cached per machine.
+
+Candidates:
+- `stock`: `F.linear` (MKL on x86 CPUs).
+- `onednn`: `torch.ops.mkldnn` with the weight prepacked once (float32 and bfloat16 on x86).
+- `few-rows`: specdecode's C++ kernel (`csrc/few_rows.cpp`, built on first use with the machine's compiler),
+  float32, at most `FEW_ROWS_MAX` rows; its outputs do not depend on how many rows share a pass.
+"""
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.paths import cache_dir
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a pass with M rows uses the plan of the smallest bucket >= M
+FEW_ROWS_MAX = 16
+KERNELS = ("auto", "stock", "onednn", "few-rows")
+
+
+@functools.cache
+def few_rows_available() -> bool:
+    """Build (once per machine, cached on disk) and load the C++ kernel; False where no compiler works."""
+    if hasattr(torch.ops.specdecode, "few_rows_linear"):
+        return True
+    from torch.utils.cpp_extension import load
+
+    source = Path(__file__).with_name("csrc") / "few_rows.cpp"
+    digest = stable_digest([source.read_text(), machine_key(), torch.__version__])  # rebuilt when any changes
+    build = cache_dir() / "kernels" / digest
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        load(
+            "specdecode_few_rows",
+            [str(source)],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            is_python_module=False,
+        )
+    except Exception as e:  # no compiler, no ninja, an unusual platform: the stock kernels remain
+        print(f"specdecode: the few-rows kernel did not build ({type(e).__name__}); using stock kernels")
+        return False
+    return True
+
+
+@functools.cache
+def cpu_model_and_flags() -> tuple[str, set[str]]:
+    model, flags = platform.processor(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return model, flags
+
+
+@functools.cache
+def machine_key() -> str:
+    """CPU model and instruction-set flags: kernels built or measured on one machine are not reused on another."""
+    model, flags = cpu_model_and_flags()
+    return f"{platform.machine()}-{stable_digest([model, sorted(flags), os.cpu_count()])}"
+
+
+def native_bfloat16() -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_model_and_flags()[1])
+
+
+def bfloat16_is_faster(rows: tuple[int, ...] = (1, 8)) -> bool:
+    """On a CPU with native bfloat16: does a stack of decoder-sized linears stream faster in bfloat16 (best
+    kernel) than in float32 (best kernel), at one row and at a verify pass's rows? Measured once per machine."""
+    if not native_bfloat16():
+        return False
+    path = cache_dir("kernel-plans") / f"bf16-vs-fp32-{machine_key()}-{torch.__version__}.json"
+    if path.exists():
+        return json.loads(path.read_text())["bfloat16_faster"]
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(2048, 1024), (1024, 1024), (4096, 1024), (1024, 2048)] * 8  # ~200 MB in float32
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        linears = [Linear(torch.randn(shape, generator=generator).to(dtype)) for shape in shapes]
+        for lin in linears:
+            lin.pack_onednn()
+        best[str(dtype)] = sum(min(_time_sweep(linears, k, m, 3) for k in candidates(dtype, m)) for m in rows)
+    faster = best["torch.bfloat16"] < best["torch.float32"]
+    path.write_text(json.dumps({"bfloat16_faster": faster, "ms": best}))
+    return faster
+
+
+def stable_digest(value) -> str:
+    """A short digest of a JSON-able value that is the same in every process (unlike `hash`)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Linear:
+    """y = x W^T (+ b) with one kernel per row bucket; `weight` (N, K) is kept as loaded, packed copies beside it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight.contiguous()
+        self.bias = bias
+        self.plan: dict[int, str] = {}  # row bucket -> kernel; missing buckets use stock
+        self._packed: torch.Tensor | None = None
+
+    def pack_onednn(self) -> None:
+        if self._packed is None:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 8)
+
+    def drop_onednn(self) -> None:
+        self._packed = None
+
+    def run(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel == "few-rows":
+            y = torch.ops.specdecode.few_rows_linear(x, self.weight)
+            return y if self.bias is None else y + self.bias
+        if kernel == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:  # training through a frozen layer: autograd's kernel
+            return F.linear(x, self.weight, self.bias)
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]).to(self.weight.dtype)
+        y = self.run(x, self.plan.get(bucket(x.shape[0]), "stock"))
+        return y.view(*shape[:-1], y.shape[-1])
+
+
+class FrozenLinear(nn.Module):
+    """A planned `Linear` as a frozen module (a drafter's borrowed LM head): the measured kernels at inference."""
+
+    def __init__(self, linear: Linear) -> None:
+        super().__init__()
+        self.linear = linear
+        self.weight = linear.weight  # a plain tensor attribute: never trained, never in a state dict
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def bucket(rows: int) -> int:
+    return next((b for b in ROW_BUCKETS if b >= rows), ROW_BUCKETS[-1])
+
+
+def candidates(dtype: torch.dtype, rows: int) -> list[str]:
+    kernels = ["stock"]
+    if torch.backends.mkldnn.is_available() and platform.machine() in ("x86_64", "AMD64"):
+        kernels.append("onednn")
+    if dtype == torch.float32 and rows <= FEW_ROWS_MAX and few_rows_available():
+        kernels.append("few-rows")
+    return kernels
+
+
+def _time_sweep(linears: list[Linear], kernel: str, rows: int, reps: int) -> float:
+    """Median ms of one pass of `rows` rows through every linear (the weights stream as in a real pass)."""
+    inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in linears}
+    times = []
+    for rep in range(reps + 1):
+        start = time.perf_counter()
+        for lin in linears:
+            lin.run(inputs[lin.weight.shape[1]], kernel)
+        if rep:  # the first sweep is a warm-up
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1000
+
+
+def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int = 5) -> dict:
+    """Give every linear its kernel per row bucket: `kernel` everywhere, or for `auto` the fastest measured
+    (cached per machine, model signature and thread count). Returns {bucket: {kernel: ms}} of what was timed."""
+    dtype = linears[0].weight.dtype
+    if kernel != "auto":
+        choice = {b: kernel if kernel in candidates(dtype, b) else "stock" for b in ROW_BUCKETS}
+        timings: dict = {}
+    else:
+        key = {**signature, "machine": machine_key(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+        path = cache_dir() / "kernel-plans" / f"{stable_digest(key)}.json"
+        cached = json.loads(path.read_text()) if path.exists() else None
+        if cached and "few-rows" in cached["choice"].values() and not few_rows_available():
+            cached = None  # measured where the kernel built; here it did not
+        if cached and cached.get("key") == key:
+            choice, timings = {int(b): k for b, k in cached["choice"].items()}, cached["timings"]
+        else:
+            for lin in linears:
+                lin.pack_onednn()
+            timings = {}
+            for b in ROW_BUCKETS:
+                timings[b] = {k: round(_time_sweep(linears, k, b, reps), 3) for k in candidates(dtype, b)}
+            choice = {b: min(t, key=t.get) for b, t in timings.items()}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"key": key, "choice": choice, "timings": timings}, indent=1))
+    uses_onednn = "onednn" in choice.values()
+    for lin in linears:
+        lin.plan = dict(choice)
+        if uses_onednn:
+            lin.pack_onednn()
+        else:
+            lin.drop_onednn()
+    return {"choice": choice, "timings": timings}
+

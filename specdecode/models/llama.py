@@ -1,0 +1,290 @@
+"""The runner's own forward for the Llama family (Llama, Mistral, Qwen2, Qwen3), read like gpt-fast's model.py.
+
+Why not the Hugging Face forward: a 135M model's step is a few milliseconds of weight streaming, and HF's
+modelling code, mask building and `DynamicCache` add hundreds of small ops and allocations on top (on one
+2-core CPU: 87 ms a step where the weights need ~10 ms). Here a pass is the layers' math and nothing else:
+- weights taken from the loaded HF model, q/k/v and gate/up fused into one matrix each (the HF modules are
+  repointed at views of the fused tensors, so memory is not doubled and the HF model stays the reference);
+- a preallocated KV cache of slots (one request = one slot); rollback is a length, a tree's accepted path
+  one index copy over all layers at once;
+- every pass is rows of new tokens (`Rows`): one request's chain, a tree with its mask, or a batch of
+  requests with their own positions; hidden states of chosen layers are kept as the loop passes them.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.models.linear import Linear, plan_kernels
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def unsupported_reason(config) -> str | None:
+    """Why this runner cannot run a model of `config`, or None when it can."""
+    if config.model_type not in SUPPORTED_TYPES:
+        return f"model type {config.model_type}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act}"
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+        return f"sliding-window attention ({window} tokens)"
+    return None
+
+
+class KVCache:
+    """Keys and values of every layer: (layers, slots, kv_heads, capacity, head_dim), allocated up front.
+
+    A slot holds one request; which entries are valid is the caller's business (a length per slot), so a
+    rollback writes nothing. Zeros, not empty: a padded query of a batched pass may read stale entries,
+    which must be finite.
+    """
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int, dtype, device) -> None:
+        shape = (layers, slots, kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate to hold `capacity` entries per slot, keeping what is there (rare: capacity doubles)."""
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)
+
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: "Rows"):
+        """Write a pass's new keys and values (R, kv_heads, Q, head_dim) where `rows` says; return every row's
+        entries 0 .. kv_length - 1 of this layer: (R, kv_heads, kv_length, head_dim)."""
+        layer_keys, layer_values = self.keys[layer], self.values[layer]
+        if len(rows.slots) == 1:
+            slot, start = rows.slots[0], rows.starts[0]
+            layer_keys[slot, :, start : start + keys.shape[2]] = keys[0]
+            layer_values[slot, :, start : start + keys.shape[2]] = values[0]
+        elif rows.real is None:
+            layer_keys[rows.write_slot, :, rows.write_entry] = keys.transpose(1, 2).flatten(0, 1)
+            layer_values[rows.write_slot, :, rows.write_entry] = values.transpose(1, 2).flatten(0, 1)
+        else:
+            layer_keys[rows.write_slot, :, rows.write_entry] = keys.transpose(1, 2)[rows.real]
+            layer_values[rows.write_slot, :, rows.write_entry] = values.transpose(1, 2)[rows.real]
+        if rows.adjacent:
+            first = rows.slots[0]
+            picked = slice(first, first + len(rows.slots))
+            return layer_keys[picked, :, : rows.kv_length], layer_values[picked, :, : rows.kv_length]
+        return layer_keys[rows.slot_index, :, : rows.kv_length], layer_values[rows.slot_index, :, : rows.kv_length]
+
+    def move(self, slot: int, source: torch.Tensor, dest: int) -> None:
+        """Copy entries `source` of `slot` to `dest`, `dest + 1`, ... in every layer (a tree's accepted path)."""
+        for buffer in (self.keys, self.values):
+            buffer[:, slot, :, dest : dest + len(source)] = buffer[:, slot].index_select(2, source)
+
+
+@dataclass
+class Rows:
+    """Where a pass's queries go: R rows of Q new tokens, row r in cache slot `slots[r]`.
+
+    Row r's query i is written at cache entry `starts[r] + i` (if i < counts[r]; the rest is padding),
+    rotated as position `positions[r, i]` (a tree node: its root's position plus its depth), and attends to
+    entries 0 .. kv_length - 1 of its slot where `mask` allows (None: all of them).
+    """
+
+    slots: list[int]
+    starts: list[int]
+    counts: list[int]
+    positions: torch.Tensor  # (R, Q) long
+    mask: torch.Tensor | None  # (R, 1, Q, kv_length) bool, True = may attend
+    kv_length: int
+
+    def __post_init__(self) -> None:
+        R, Q = self.positions.shape
+        first = self.slots[0]
+        self.adjacent = self.slots == list(range(first, first + R))  # read a view of the slots, not a gather
+        self.slot_index = torch.tensor(self.slots)
+        real = torch.arange(Q)[None] < torch.tensor(self.counts)[:, None]
+        self.real = None if bool(real.all()) else real  # which queries are written (None: all)
+        self.write_slot = self.slot_index[:, None].expand(R, Q)[real]
+        self.write_entry = (torch.tensor(self.starts)[:, None] + torch.arange(Q))[real]
+
+    def to(self, device: torch.device) -> "Rows":
+        """The same rows with their index tensors on `device` (a no-op on the CPU)."""
+        for name in ("positions", "mask", "slot_index", "real", "write_slot", "write_entry"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.to(device))
+        return self
+
+    @classmethod
+    def chain(cls, slot: int, start: int, count: int) -> "Rows":
+        """One request's `count` tokens after `start` cached ones, causal."""
+        positions = torch.arange(start, start + count)
+        mask = None if count == 1 else (torch.arange(start + count)[None] <= positions[:, None])[None, None]
+        return cls([slot], [start], [count], positions[None], mask, start + count)
+
+    @classmethod
+    def tree(cls, slot: int, start: int, positions: torch.Tensor, mask: torch.Tensor) -> "Rows":
+        """One request's tree pass: nodes written at start, start + 1, ..., with their depths' positions."""
+        count = positions.shape[-1]
+        return cls([slot], [start], [count], positions.view(1, count), mask.view(1, 1, count, -1), start + count)
+
+    @classmethod
+    def batch(cls, slots: list[int], starts: list[int], counts: list[int]) -> "Rows":
+        """Several requests, row r's tokens after its own `starts[r]` cached ones, padded to the longest row."""
+        width = max(counts)
+        positions = torch.tensor(starts)[:, None] + torch.arange(width)
+        kv_length = max(s + c for s, c in zip(starts, counts, strict=True))
+        mask = torch.arange(kv_length)[None, None] <= positions[:, :, None]
+        return cls(list(slots), list(starts), list(counts), positions, mask[:, None], kv_length)
+
+
+@dataclass
+class Output:
+    """What a pass returns, every tensor with its row dimension: (R, Q, ...)."""
+
+    logits: torch.Tensor | None
+    layer_hidden: torch.Tensor | None  # captured layers, concatenated in the order asked for
+    last_hidden: torch.Tensor  # after the final norm
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    q_norm: torch.Tensor | None  # Qwen3 normalises each head's q and k before rotating them
+    k_norm: torch.Tensor | None
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+def _fuse(modules: list[torch.nn.Linear]) -> Linear:
+    """One matrix for several projections of the same input; the HF modules are repointed at its rows."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    biases = [m.bias for m in modules]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    first = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight[first : first + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias[first : first + rows], requires_grad=False)
+        first += rows
+    return Linear(weight, bias)
+
+
+class LlamaRunner:
+    """The forward of a loaded HF Llama-family model over `Rows` of new tokens with a `KVCache`."""
+
+    def __init__(self, hf_model, kernel: str = "auto") -> None:
+        c = hf_model.config
+        self.config = c
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.eps = c.rms_norm_eps
+        inner = hf_model.model
+        self.embedding = inner.embed_tokens.weight
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            q_norm = getattr(attn, "q_norm", None)
+            self.layers.append(
+                _Layer(
+                    input_norm=layer.input_layernorm.weight,
+                    qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    q_norm=None if q_norm is None else q_norm.weight,
+                    k_norm=None if q_norm is None else attn.k_norm.weight,
+                    o=Linear(attn.o_proj.weight.detach(), attn.o_proj.bias),
+                    post_norm=layer.post_attention_layernorm.weight,
+                    gate_up=_fuse([mlp.gate_proj, mlp.up_proj]),
+                    down=Linear(mlp.down_proj.weight.detach(), mlp.down_proj.bias),
+                )
+            )
+        self.norm = inner.norm.weight
+        head = hf_model.get_output_embeddings()
+        self.lm_head = Linear(head.weight.detach(), head.bias)
+        self.rotary = inner.rotary_emb  # HF's own inverse frequencies and scaling: every rope type is covered
+        self._rope_table(c.max_position_embeddings)
+        dtype, device = self.embedding.dtype, self.embedding.device
+        signature = {"model": c.model_type, "hidden": c.hidden_size, "layers": len(self.layers), "dtype": str(dtype)}
+        self.kernel_plan = plan_kernels(self.linears(), kernel, signature) if device.type == "cpu" else {}
+
+    def linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [
+            self.lm_head
+        ]
+
+    def new_cache(self, slots: int, capacity: int) -> KVCache:
+        return KVCache(
+            len(self.layers), slots, self.kv_heads, self.head_dim, capacity, self.embedding.dtype, self.embedding.device
+        )
+
+    def _rope_table(self, length: int) -> None:
+        """cos and sin of positions 0 .. length - 1 (regrown on demand: a probe may pass the trained context)."""
+        positions = torch.arange(length, dtype=torch.float32)
+        freqs = positions[:, None] * self.rotary.inv_freq.float().cpu()[None]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        dtype, device = self.embedding.dtype, self.embedding.device
+        self.cos = (angles.cos() * self.rotary.attention_scaling).to(device=device, dtype=dtype)
+        self.sin = (angles.sin() * self.rotary.attention_scaling).to(device=device, dtype=dtype)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache | None,
+        rows: Rows | None,
+        capture: list[int] = (),
+        logits: bool = True,
+    ) -> Output:
+        """One pass over `ids` (R, Q). With no cache, a plain causal pass over whole sequences (training
+        features): row r is one sequence, nothing is stored."""
+        R, Q = ids.shape
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        device = self.embedding.device
+        ids = ids.to(device)
+        rows = rows if rows is None or device.type == "cpu" else rows.to(device)
+        positions = torch.arange(Q, device=device)[None].expand(R, Q) if rows is None else rows.positions
+        if (Q if rows is None else rows.kv_length) > len(self.cos):
+            self._rope_table(2 * (Q if rows is None else rows.kv_length))
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # (R, Q, 1, D)
+        attention = dict(is_causal=True) if rows is None else dict(attn_mask=rows.mask)
+        captured = {}
+        x = F.embedding(ids, self.embedding)
+        if -1 in capture:
+            captured[-1] = x
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
+            qkv = layer.qkv(h)
+            qk = qkv[..., : (H + KV) * D].view(R, Q, H + KV, D)
+            v = qkv[..., (H + KV) * D :].view(R, Q, KV, D).transpose(1, 2)
+            if layer.q_norm is not None:
+                q_normed = F.rms_norm(qk[:, :, :H], (D,), layer.q_norm, self.eps)
+                qk = torch.cat([q_normed, F.rms_norm(qk[:, :, H:], (D,), layer.k_norm, self.eps)], dim=2)
+            qk = self._rotate(qk, cos, sin).transpose(1, 2)  # (R, H + KV, Q, D)
+            q, k = qk[:, :H], qk[:, H:]
+            if rows is not None:
+                k, v = cache.update(i, k, v, rows)
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=KV != H, **attention)
+            x = x + layer.o(out.transpose(1, 2).reshape(R, Q, H * D))
+            h = F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+            if i in capture:
+                captured[i] = x
+        last = F.rms_norm(x, x.shape[-1:], self.norm, self.eps)
+        layer_hidden = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        return Output(self.lm_head(last) if logits else None, layer_hidden, last)

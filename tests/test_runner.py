@@ -1,0 +1,146 @@
+"""The lean runner computes what the Hugging Face model computes: logits and captured hidden states on
+prefill, chain verify, tree verify and batched rows; its kernels and caches keep their promises.
+
+Tolerance, stated: both are float32, but the runner fuses q/k/v and gate/up into one GEMM each, uses
+fused RMSNorm and grouped-query SDPA, and may pick another GEMM kernel per row count, so sums run in
+another order. Each op then differs by a few ulps (~1e-7 relative); over 30 layers that grows to ~1e-4
+on logits of magnitude ~30 (measured: 1e-4). 2e-3 absolute leaves room for other machines' kernels while
+any real mistake (a wrong position, mask or cache entry) moves logits by whole units.
+"""
+
+import pytest
+import torch
+
+from specdecode.engine.batch import BatchedTarget
+from specdecode.engine.decode import tree_attention
+from specdecode.models.linear import FEW_ROWS_MAX, Linear, few_rows_available, plan_kernels
+from specdecode.models.llama import unsupported_reason
+from specdecode.models.target import Target
+from tests.conftest import tiny_llama, tiny_tokenizer
+
+ATOL, RTOL = 2e-3, 1e-4
+LAYERS = [3, 14, 27]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2) -> Target:
+    """The default target through the HF forward (same weights: the HF modules are views of the runner's)."""
+    return Target(smollm2.model, smollm2.tokenizer, name="smollm2-hf", runner=False)
+
+
+def both(smollm2, hf_reference):
+    for target in (smollm2, hf_reference):
+        target.set_capture_layers(LAYERS)
+        target.reset()
+    return smollm2, hf_reference
+
+
+def assert_same(a, b) -> None:
+    torch.testing.assert_close(a.logits, b.logits, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(a.layer_hidden, b.layer_hidden, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(a.last_hidden, b.last_hidden, atol=ATOL, rtol=RTOL)
+
+
+def test_the_default_target_runs_on_the_runner(smollm2):
+    assert smollm2.runner is not None and smollm2.kernel == "auto"
+    assert unsupported_reason(smollm2.config) is None
+
+
+def test_prefill_and_chain_verify_match_the_hf_forward(smollm2, hf_reference):
+    runner, hf = both(smollm2, hf_reference)
+    ids = torch.tensor(runner.encode("Write a limerick about a cat who codes."))
+    assert_same(runner.forward(ids[:-1]), hf.forward(ids[:-1]))
+    for k in (1, 5, 9):  # verify passes of k positions after the same context, rolled back in between
+        drafts = torch.randint(100, 40000, (k,), generator=torch.Generator().manual_seed(k))
+        for target in (runner, hf):
+            target.rollback(len(ids) - 1)
+        assert_same(runner.forward(drafts), hf.forward(drafts))
+    runner.set_capture_layers([])
+    hf.set_capture_layers([])
+
+
+def test_tree_verify_matches_the_hf_forward(smollm2, hf_reference):
+    runner, hf = both(smollm2, hf_reference)
+    ids = runner.encode("Name three rivers.")
+    for target in (runner, hf):
+        target.forward(torch.tensor(ids[:-1]), logits=False)
+    parents = torch.tensor([-1, 0, 0, 1, -1, 4])  # two branches off the root, one of depth three
+    tokens = torch.tensor(ids[-1:] + [791, 1345, 28, 2051, 418, 28])
+    mask, positions = tree_attention(parents, len(ids) - 1)
+    assert_same(
+        runner.forward(tokens, position_ids=positions, attention_mask=mask),
+        hf.forward(tokens, position_ids=positions, attention_mask=mask),
+    )
+    runner.set_capture_layers([])
+    hf.set_capture_layers([])
+
+
+def test_batched_rows_match_the_hf_forward_row_by_row(smollm2, hf_reference):
+    """Rows with different context lengths and token counts in non-adjacent slots (the gather path)."""
+    prompts = ["Hi.", "Explain what a compiler does in two sentences.", "2 + 2 ="]
+    outputs = []
+    for target in both(smollm2, hf_reference):
+        batched = BatchedTarget(target, slots=4, max_len=128)
+        slots = [batched.acquire() for _ in range(4)][1:]  # slots 1..3; slot 0 stays empty
+        contexts = [torch.tensor(target.encode(p)) for p in prompts]
+        batched.forward(slots, contexts, logits=False)
+        drafts = [torch.tensor([11, 12, 13]), torch.tensor([7]), torch.tensor([5, 6])]
+        outputs.append(batched.forward(slots[::-1], drafts[::-1]))  # reversed: rows are not in slot order
+    runner_out, hf_out = outputs
+    for r, n in enumerate([2, 1, 3]):
+        torch.testing.assert_close(runner_out.logits[r, :n], hf_out.logits[r, :n], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(runner_out.layer_hidden[r, :n], hf_out.layer_hidden[r, :n], atol=ATOL, rtol=RTOL)
+    for target in (smollm2, hf_reference):
+        target.set_capture_layers([])
+
+
+def test_training_features_match_the_decoding_pass(smollm2):
+    ids = torch.tensor(smollm2.encode("A sentence to learn from."))
+    smollm2.set_capture_layers([-1, 5])
+    features = smollm2.features(ids)
+    smollm2.reset()
+    decoded = smollm2.forward(ids, logits=False)
+    torch.testing.assert_close(features.layer_hidden, decoded.layer_hidden, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(features.last_hidden, decoded.last_hidden, atol=ATOL, rtol=RTOL)
+    smollm2.set_capture_layers([])
+
+
+@pytest.mark.skipif(not few_rows_available(), reason="no C++ compiler on this machine")
+def test_few_rows_kernel_is_exact_per_row_whatever_the_row_count():
+    """Row r's output is bit-identical whether it is computed alone or beside 1..15 other rows."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(301, 200, generator=generator)  # odd sizes: the tails of both loops run
+    x = torch.randn(FEW_ROWS_MAX, 200, generator=generator)
+    alone = torch.cat([torch.ops.specdecode.few_rows_linear(x[r : r + 1], weight) for r in range(FEW_ROWS_MAX)])
+    for m in range(1, FEW_ROWS_MAX + 1):
+        assert torch.equal(torch.ops.specdecode.few_rows_linear(x[:m], weight), alone[:m]), m
+    torch.testing.assert_close(alone, x @ weight.T, atol=1e-4, rtol=1e-5)
+
+
+def test_forced_kernels_compute_the_same_and_auto_picks_a_measured_candidate(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    generator = torch.Generator().manual_seed(1)
+    linears = [Linear(torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator))]
+    x = torch.randn(5, 64, generator=generator)
+    expected = x @ linears[0].weight.T + linears[0].bias
+    for kernel in ("stock", "onednn", "few-rows"):
+        plan_kernels(linears, kernel, {"test": kernel})
+        torch.testing.assert_close(linears[0](x), expected, atol=1e-4, rtol=1e-5)
+    plan = plan_kernels(linears, "auto", {"test": "auto"}, reps=1)
+    for rows, timings in plan["timings"].items():
+        assert plan["choice"][rows] == min(timings, key=timings.get)
+    assert list(tmp_path.glob("specdecode/kernel-plans/*.json"))  # measured once, then read back
+    assert plan_kernels(linears, "auto", {"test": "auto"})["choice"] == plan["choice"]
+
+
+def test_one_request_cache_grows_past_its_first_capacity():
+    model = tiny_llama(vocab_size=24)
+    target = Target(model, tiny_tokenizer(24), name="tiny")
+    reference = Target(model, tiny_tokenizer(24), name="tiny-hf", runner=False)
+    capacity = 16
+    target.kv = target.new_cache(1, capacity)
+    ids = torch.randint(2, 24, (capacity + 20,), generator=torch.Generator().manual_seed(0))
+    head = capacity - 10
+    out = [t.forward(ids[:head]) and t.forward(ids[head:]) for t in (target, reference)]
+    assert target.kv.capacity > capacity
+    torch.testing.assert_close(out[0].logits, out[1].logits, atol=1e-4, rtol=1e-4)
