@@ -13,7 +13,7 @@ import torch
 
 from specdecode.engine.batch import BatchedTarget
 from specdecode.engine.decode import tree_attention
-from specdecode.models.linear import FEW_ROWS_MAX, Linear, few_rows_available, plan_kernels
+from specdecode.models.linear import FEW_ROWS_MAX, Linear, cpu_kernels_available, plan_kernels
 from specdecode.models.llama import unsupported_reason
 from specdecode.models.target import Target
 from tests.conftest import tiny_llama, tiny_tokenizer
@@ -105,16 +105,18 @@ def test_training_features_match_the_decoding_pass(smollm2):
     smollm2.set_capture_layers([])
 
 
-@pytest.mark.skipif(not few_rows_available(), reason="no C++ compiler on this machine")
-def test_few_rows_kernel_is_exact_per_row_whatever_the_row_count():
-    """Row r's output is bit-identical whether it is computed alone or beside 1..15 other rows."""
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_kernel_is_exact_per_row_whatever_the_row_count(dtype):
+    """Row r's output is bit-identical whether it is computed alone or beside 1..15 other rows; bfloat16
+    weights are widened exactly, so the result is the float32 product with the rounded weights."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(301, 200, generator=generator)  # odd sizes: the tails of both loops run
-    x = torch.randn(FEW_ROWS_MAX, 200, generator=generator)
+    weight = torch.randn(301, 203, generator=generator).to(dtype)  # odd sizes: the tails of both loops run
+    x = torch.randn(FEW_ROWS_MAX, 203, generator=generator)
     alone = torch.cat([torch.ops.specdecode.few_rows_linear(x[r : r + 1], weight) for r in range(FEW_ROWS_MAX)])
     for m in range(1, FEW_ROWS_MAX + 1):
         assert torch.equal(torch.ops.specdecode.few_rows_linear(x[:m], weight), alone[:m]), m
-    torch.testing.assert_close(alone, x @ weight.T, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(alone, x @ weight.float().T, atol=1e-4, rtol=1e-5)
 
 
 def test_forced_kernels_compute_the_same_and_auto_picks_a_measured_candidate(tmp_path, monkeypatch):

@@ -10,8 +10,9 @@ fastest, and the plan is cached per machine.
 Candidates:
 - `stock`: `F.linear` (MKL on x86 CPUs).
 - `onednn`: `torch.ops.mkldnn` with the weight prepacked once (float32 and bfloat16 on x86).
-- `few-rows`: specdecode's C++ kernel (`csrc/few_rows.cpp`, built on first use with the machine's compiler),
-  float32, at most `FEW_ROWS_MAX` rows; its outputs do not depend on how many rows share a pass.
+- `few-rows`: specdecode's C++ kernel (`csrc/runner_kernels.cpp`, built on first use with the machine's compiler),
+  float32 rows against float32 or bfloat16 weights (widened in registers), at most `FEW_ROWS_MAX` rows;
+  its outputs do not depend on how many rows share a pass.
 """
 
 import functools
@@ -34,19 +35,19 @@ KERNELS = ("auto", "stock", "onednn", "few-rows")
 
 
 @functools.cache
-def few_rows_available() -> bool:
-    """Build (once per machine, cached on disk) and load the C++ kernel; False where no compiler works."""
+def cpu_kernels_available() -> bool:
+    """Build (once per machine, cached on disk) and load the runner's C++ kernels; False where that fails."""
     if hasattr(torch.ops.specdecode, "few_rows_linear"):
         return True
     from torch.utils.cpp_extension import load
 
-    source = Path(__file__).with_name("csrc") / "few_rows.cpp"
+    source = Path(__file__).with_name("csrc") / "runner_kernels.cpp"
     digest = stable_digest([source.read_text(), machine_key(), torch.__version__])  # rebuilt when any changes
     build = cache_dir() / "kernels" / digest
     build.mkdir(parents=True, exist_ok=True)
     try:
         load(
-            "specdecode_few_rows",
+            "specdecode_runner_kernels",
             [str(source)],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -54,7 +55,7 @@ def few_rows_available() -> bool:
             is_python_module=False,
         )
     except Exception as e:  # no compiler, no ninja, an unusual platform: the stock kernels remain
-        print(f"specdecode: the few-rows kernel did not build ({type(e).__name__}); using stock kernels")
+        print(f"specdecode: the runner's C++ kernels did not build ({type(e).__name__}); using stock kernels")
         return False
     return True
 
@@ -100,7 +101,8 @@ def bfloat16_is_faster(rows: tuple[int, ...] = (1, 8)) -> bool:
     for dtype in (torch.float32, torch.bfloat16):
         linears = [Linear(torch.randn(shape, generator=generator).to(dtype)) for shape in shapes]
         for lin in linears:
-            lin.pack_onednn()
+            if "onednn" in candidates(dtype, max(rows)):
+                lin.pack_onednn()
         best[str(dtype)] = sum(min(_time_sweep(linears, k, m, 3) for k in candidates(dtype, m)) for m in rows)
     faster = best["torch.bfloat16"] < best["torch.float32"]
     path.write_text(json.dumps({"bfloat16_faster": faster, "ms": best}))
@@ -139,9 +141,11 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:  # training through a frozen layer: autograd's kernel
             return F.linear(x, self.weight, self.bias)
-        shape = x.shape
-        x = x.reshape(-1, shape[-1]).to(self.weight.dtype)
-        y = self.run(x, self.plan.get(bucket(x.shape[0]), "stock"))
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, shape[-1])
+        kernel = self.plan.get(bucket(x.shape[0]), "stock")
+        # the few-rows kernel takes float32 rows for either weight dtype; the others want the weights' dtype
+        y = self.run(x if kernel == "few-rows" else x.to(self.weight.dtype), kernel).to(dtype)
         return y.view(*shape[:-1], y.shape[-1])
 
 
@@ -163,16 +167,19 @@ def bucket(rows: int) -> int:
 
 def candidates(dtype: torch.dtype, rows: int) -> list[str]:
     kernels = ["stock"]
-    if torch.backends.mkldnn.is_available() and platform.machine() in ("x86_64", "AMD64"):
+    x86 = torch.backends.mkldnn.is_available() and platform.machine() in ("x86_64", "AMD64")
+    if x86 and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         kernels.append("onednn")
-    if dtype == torch.float32 and rows <= FEW_ROWS_MAX and few_rows_available():
+    if dtype in (torch.float32, torch.bfloat16) and rows <= FEW_ROWS_MAX and cpu_kernels_available():
         kernels.append("few-rows")
     return kernels
 
 
 def _time_sweep(linears: list[Linear], kernel: str, rows: int, reps: int) -> float:
-    """Median ms of one pass of `rows` rows through every linear (the weights stream as in a real pass)."""
-    inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], dtype=lin.weight.dtype) for lin in linears}
+    """Fastest ms of one pass of `rows` rows through every linear (the weights stream as in a real pass);
+    the fastest, not the median: another process can only slow a sweep down."""
+    dtype = torch.float32 if kernel == "few-rows" else linears[0].weight.dtype
+    inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], dtype=dtype) for lin in linears}
     times = []
     for rep in range(reps + 1):
         start = time.perf_counter()
@@ -180,7 +187,7 @@ def _time_sweep(linears: list[Linear], kernel: str, rows: int, reps: int) -> flo
             lin.run(inputs[lin.weight.shape[1]], kernel)
         if rep:  # the first sweep is a warm-up
             times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1000
+    return min(times) * 1000
 
 
 def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int = 5) -> dict:
@@ -194,13 +201,14 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
         key = {**signature, "machine": machine_key(), "torch": torch.__version__, "threads": torch.get_num_threads()}
         path = cache_dir() / "kernel-plans" / f"{stable_digest(key)}.json"
         cached = json.loads(path.read_text()) if path.exists() else None
-        if cached and "few-rows" in cached["choice"].values() and not few_rows_available():
+        if cached and "few-rows" in cached["choice"].values() and not cpu_kernels_available():
             cached = None  # measured where the kernel built; here it did not
         if cached and cached.get("key") == key:
             choice, timings = {int(b): k for b, k in cached["choice"].items()}, cached["timings"]
         else:
-            for lin in linears:
-                lin.pack_onednn()
+            if "onednn" in candidates(dtype, ROW_BUCKETS[-1]):
+                for lin in linears:
+                    lin.pack_onednn()
             timings = {}
             for b in ROW_BUCKETS:
                 timings[b] = {k: round(_time_sweep(linears, k, b, reps), 3) for k in candidates(dtype, b)}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdecode.models.linear import Linear, plan_kernels
+from specdecode.models.linear import Linear, cpu_kernels_available, plan_kernels
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -192,29 +192,37 @@ class LlamaRunner:
         self.eps = c.rms_norm_eps
         inner = hf_model.model
         self.embedding = inner.embed_tokens.weight
+        weights, device = self.embedding.dtype, self.embedding.device
+        # the C++ norm, rotation and few-rows linear (csrc/runner_kernels.cpp) compute in float32 from float32
+        # or bfloat16 weights; elsewhere the stock ops compute in the weights' dtype
+        self.fused = device.type == "cpu" and weights in (torch.float32, torch.bfloat16) and cpu_kernels_available()
+        self.dtype = torch.float32 if self.fused else weights  # of activations and the KV cache
+
+        def vector(weight: torch.Tensor | None) -> torch.Tensor | None:  # a norm's weight, in the compute dtype
+            return None if weight is None else weight.detach().to(self.dtype)
+
         self.layers = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             q_norm = getattr(attn, "q_norm", None)
             self.layers.append(
                 _Layer(
-                    input_norm=layer.input_layernorm.weight,
+                    input_norm=vector(layer.input_layernorm.weight),
                     qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
-                    q_norm=None if q_norm is None else q_norm.weight,
-                    k_norm=None if q_norm is None else attn.k_norm.weight,
+                    q_norm=vector(None if q_norm is None else q_norm.weight),
+                    k_norm=vector(None if q_norm is None else attn.k_norm.weight),
                     o=Linear(attn.o_proj.weight.detach(), attn.o_proj.bias),
-                    post_norm=layer.post_attention_layernorm.weight,
+                    post_norm=vector(layer.post_attention_layernorm.weight),
                     gate_up=_fuse([mlp.gate_proj, mlp.up_proj]),
                     down=Linear(mlp.down_proj.weight.detach(), mlp.down_proj.bias),
                 )
             )
-        self.norm = inner.norm.weight
+        self.norm = vector(inner.norm.weight)
         head = hf_model.get_output_embeddings()
         self.lm_head = Linear(head.weight.detach(), head.bias)
         self.rotary = inner.rotary_emb  # HF's own inverse frequencies and scaling: every rope type is covered
         self._rope_table(c.max_position_embeddings)
-        dtype, device = self.embedding.dtype, self.embedding.device
-        signature = {"model": c.model_type, "hidden": c.hidden_size, "layers": len(self.layers), "dtype": str(dtype)}
+        signature = {"model": c.model_type, "hidden": c.hidden_size, "layers": len(self.layers), "dtype": str(weights)}
         self.kernel_plan = plan_kernels(self.linears(), kernel, signature) if device.type == "cpu" else {}
 
     def linears(self) -> list[Linear]:
@@ -223,23 +231,35 @@ class LlamaRunner:
         ]
 
     def new_cache(self, slots: int, capacity: int) -> KVCache:
-        return KVCache(
-            len(self.layers), slots, self.kv_heads, self.head_dim, capacity, self.embedding.dtype, self.embedding.device
-        )
+        shape = (len(self.layers), slots, self.kv_heads, self.head_dim, capacity)
+        return KVCache(*shape, self.dtype, self.embedding.device)
 
     def _rope_table(self, length: int) -> None:
         """cos and sin of positions 0 .. length - 1 (regrown on demand: a probe may pass the trained context)."""
         positions = torch.arange(length, dtype=torch.float32)
         freqs = positions[:, None] * self.rotary.inv_freq.float().cpu()[None]
         angles = torch.cat([freqs, freqs], dim=-1)
-        dtype, device = self.embedding.dtype, self.embedding.device
-        self.cos = (angles.cos() * self.rotary.attention_scaling).to(device=device, dtype=dtype)
-        self.sin = (angles.sin() * self.rotary.attention_scaling).to(device=device, dtype=dtype)
+        device = self.embedding.device
+        self.cos = (angles.cos() * self.rotary.attention_scaling).to(device=device, dtype=self.dtype)
+        self.sin = (angles.sin() * self.rotary.attention_scaling).to(device=device, dtype=self.dtype)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """x += delta (the residual stream takes a block's output), then RMS-normalise x with `weight`."""
+        if self.fused:
+            return torch.ops.specdecode.add_rms_norm(x, delta, weight, self.eps)
+        if delta is not None:
+            x += delta
+        return F.rms_norm(x, x.shape[-1:], weight, self.eps)
+
+    def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of q and k heads (R, Q, heads, D) at angles (R, Q, D)."""
+        if self.fused:
+            R, Q, heads, D = qk.shape  # a view of the qkv rows: rotated where they are
+            torch.ops.specdecode.rotate_(qk.view(R * Q, heads, D), heads, cos.view(R * Q, D), sin.view(R * Q, D))
+            return qk
+        half = qk.shape[-1] // 2
+        rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+        return qk * cos[:, :, None] + rotated * sin[:, :, None]
 
     @torch.inference_mode()
     def forward(
@@ -260,14 +280,15 @@ class LlamaRunner:
         positions = torch.arange(Q, device=device)[None].expand(R, Q) if rows is None else rows.positions
         if (Q if rows is None else rows.kv_length) > len(self.cos):
             self._rope_table(2 * (Q if rows is None else rows.kv_length))
-        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # (R, Q, 1, D)
+        cos, sin = self.cos[positions], self.sin[positions]  # (R, Q, D)
         attention = dict(is_causal=True) if rows is None else dict(attn_mask=rows.mask)
         captured = {}
-        x = F.embedding(ids, self.embedding)
+        x = F.embedding(ids, self.embedding).to(self.dtype)
         if -1 in capture:
-            captured[-1] = x
+            captured[-1] = x.clone()
+        delta = None  # a block's output, added to the residual stream x by the next norm
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, x.shape[-1:], layer.input_norm, self.eps)
+            h = self._norm(x, delta, layer.input_norm)
             qkv = layer.qkv(h)
             qk = qkv[..., : (H + KV) * D].view(R, Q, H + KV, D)
             v = qkv[..., (H + KV) * D :].view(R, Q, KV, D).transpose(1, 2)
@@ -279,12 +300,11 @@ class LlamaRunner:
             if rows is not None:
                 k, v = cache.update(i, k, v, rows)
             out = F.scaled_dot_product_attention(q, k, v, enable_gqa=KV != H, **attention)
-            x = x + layer.o(out.transpose(1, 2).reshape(R, Q, H * D))
-            h = F.rms_norm(x, x.shape[-1:], layer.post_norm, self.eps)
+            h = self._norm(x, layer.o(out.transpose(1, 2).reshape(R, Q, H * D)), layer.post_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            delta = layer.down(F.silu(gate) * up)
             if i in capture:
-                captured[i] = x
-        last = F.rms_norm(x, x.shape[-1:], self.norm, self.eps)
+                captured[i] = x + delta
+        last = self._norm(x, delta, self.norm)
         layer_hidden = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return Output(self.lm_head(last) if logits else None, layer_hidden, last)

@@ -185,6 +185,8 @@ class Target:
 
     # ---------------------------------------------------------------- passes
     def new_cache(self, slots: int, capacity: int) -> KVCache:
+        if self.runner:
+            return self.runner.new_cache(slots, capacity)
         c = self.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return KVCache(c.num_hidden_layers, slots, c.num_key_value_heads, head_dim, capacity, self.dtype, self.device)
