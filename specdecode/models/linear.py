@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +46,9 @@ def cpu_kernels_available() -> bool:
     digest = stable_digest([source.read_text(), machine_key(), torch.__version__])  # rebuilt when any changes
     build = cache_dir() / "kernels" / digest
     build.mkdir(parents=True, exist_ok=True)
+    fresh = not any(build.glob("*.so"))
+    if fresh:
+        print("specdecode: building the runner's C++ kernels for this machine (once, about a minute)", file=sys.stderr)
     try:
         load(
             "specdecode_runner_kernels",
@@ -210,6 +214,7 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
                 for lin in linears:
                     lin.pack_onednn()
             timings = {}
+            print("specdecode: timing linear kernels on this machine (once per model shape)", file=sys.stderr)
             for b in ROW_BUCKETS:
                 timings[b] = {k: round(_time_sweep(linears, k, b, reps), 3) for k in candidates(dtype, b)}
             choice = {b: min(t, key=t.get) for b, t in timings.items()}
