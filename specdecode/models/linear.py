@@ -38,12 +38,12 @@ KERNELS = ("auto", "stock", "onednn", "few-rows")
 @functools.cache
 def cpu_kernels_available() -> bool:
     """Build (once per machine, cached on disk) and load the runner's C++ kernels; False where that fails."""
-    if hasattr(torch.ops.specdecode, "few_rows_linear"):
+    if hasattr(torch.ops.specdecode, "cached_attention"):
         return True
     from torch.utils.cpp_extension import load
 
-    source = Path(__file__).with_name("csrc") / "runner_kernels.cpp"
-    digest = stable_digest([source.read_text(), machine_key(), torch.__version__])  # rebuilt when any changes
+    sources = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+    digest = stable_digest([s.read_text() for s in sources] + [machine_key(), torch.__version__])  # rebuilt on change
     build = cache_dir() / "kernels" / digest
     build.mkdir(parents=True, exist_ok=True)
     fresh = not any(build.glob("*.so"))
@@ -52,14 +52,17 @@ def cpu_kernels_available() -> bool:
     try:
         load(
             "specdecode_runner_kernels",
-            [str(source)],
+            [str(s) for s in sources],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             is_python_module=False,
         )
     except Exception as e:  # no compiler, no ninja, an unusual platform: the stock kernels remain
-        print(f"specdecode: the runner's C++ kernels did not build ({type(e).__name__}); using stock kernels")
+        print(
+            f"specdecode: the runner's C++ kernels did not build ({type(e).__name__}); using stock kernels",
+            file=sys.stderr,
+        )
         return False
     return True
 

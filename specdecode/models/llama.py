@@ -62,9 +62,8 @@ class KVCache:
             new[:, :, :, : old.shape[3]] = old
             setattr(self, name, new)
 
-    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: "Rows"):
-        """Write a pass's new keys and values (R, kv_heads, Q, head_dim) where `rows` says; return every row's
-        entries 0 .. kv_length - 1 of this layer: (R, kv_heads, kv_length, head_dim)."""
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: "Rows") -> None:
+        """Store a pass's new keys and values (R, kv_heads, Q, head_dim) where `rows` says."""
         layer_keys, layer_values = self.keys[layer], self.values[layer]
         if len(rows.slots) == 1:
             slot, start = rows.slots[0], rows.starts[0]
@@ -76,6 +75,11 @@ class KVCache:
         else:
             layer_keys[rows.write_slot, :, rows.write_entry] = keys.transpose(1, 2)[rows.real]
             layer_values[rows.write_slot, :, rows.write_entry] = values.transpose(1, 2)[rows.real]
+
+    def read(self, layer: int, rows: "Rows") -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's entries 0 .. kv_length - 1 of this layer: (R, kv_heads, kv_length, head_dim); a view
+        when the rows' slots are adjacent, else a gather (a copy of those slots)."""
+        layer_keys, layer_values = self.keys[layer], self.values[layer]
         if rows.adjacent:
             first = rows.slots[0]
             picked = slice(first, first + len(rows.slots))
@@ -94,7 +98,8 @@ class Rows:
 
     Row r's query i is written at cache entry `starts[r] + i` (if i < counts[r]; the rest is padding),
     rotated as position `positions[r, i]` (a tree node: its root's position plus its depth), and attends to
-    entries 0 .. kv_length - 1 of its slot where `mask` allows (None: all of them).
+    entries 0 .. kv_length - 1 of its slot where `mask` allows (None: all of them). Chains and batches of
+    chains also say it as `limits`: query i of row r sees entries 0 .. limits[r, i] - 1 (None for a tree).
     """
 
     slots: list[int]
@@ -103,6 +108,7 @@ class Rows:
     positions: torch.Tensor  # (R, Q) long
     mask: torch.Tensor | None  # (R, 1, Q, kv_length) bool, True = may attend
     kv_length: int
+    limits: torch.Tensor | None = None  # (R, Q) long: the causal mask as entry counts
 
     def __post_init__(self) -> None:
         R, Q = self.positions.shape
@@ -116,7 +122,7 @@ class Rows:
 
     def to(self, device: torch.device) -> "Rows":
         """The same rows with their index tensors on `device` (a no-op on the CPU)."""
-        for name in ("positions", "mask", "slot_index", "real", "write_slot", "write_entry"):
+        for name in ("positions", "mask", "limits", "slot_index", "real", "write_slot", "write_entry"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
@@ -127,7 +133,7 @@ class Rows:
         """One request's `count` tokens after `start` cached ones, causal."""
         positions = torch.arange(start, start + count)
         mask = None if count == 1 else (torch.arange(start + count)[None] <= positions[:, None])[None, None]
-        return cls([slot], [start], [count], positions[None], mask, start + count)
+        return cls([slot], [start], [count], positions[None], mask, start + count, positions[None] + 1)
 
     @classmethod
     def tree(cls, slot: int, start: int, positions: torch.Tensor, mask: torch.Tensor) -> "Rows":
@@ -142,7 +148,7 @@ class Rows:
         positions = torch.tensor(starts)[:, None] + torch.arange(width)
         kv_length = max(s + c for s, c in zip(starts, counts, strict=True))
         mask = torch.arange(kv_length)[None, None] <= positions[:, :, None]
-        return cls(list(slots), list(starts), list(counts), positions, mask[:, None], kv_length)
+        return cls(list(slots), list(starts), list(counts), positions, mask[:, None], kv_length, positions + 1)
 
 
 @dataclass
@@ -261,6 +267,24 @@ class LlamaRunner:
         rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
         return qk * cos[:, :, None] + rotated * sin[:, :, None]
 
+    def _attend(self, layer: int, q, k, v, cache: KVCache | None, rows: Rows | None, attention: dict) -> torch.Tensor:
+        """Store k, v in the cache and attend (R, heads, Q, D): in place over each row's slot with the C++
+        kernel where the mask is causal, else SDPA over the rows' entries."""
+        if rows is None:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=self.kv_heads != self.heads, **attention)
+        cache.write(layer, k, v, rows)
+        if rows.limits is not None and self.fused and cache.keys.device.type == "cpu":
+            R, H, Q, D = q.shape
+            group = H // self.kv_heads  # query heads sharing one kv head read its entries once
+            grouped = q.reshape(R, self.kv_heads, group * Q, D)
+            limits = rows.limits.repeat(1, group)  # query (g, i) of row r sees what position i sees
+            out = torch.ops.specdecode.cached_attention(
+                grouped, cache.keys[layer], cache.values[layer], rows.slot_index, limits, D**-0.5
+            )
+            return out.view(R, H, Q, D)
+        k, v = cache.read(layer, rows)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=self.kv_heads != self.heads, **attention)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -297,9 +321,7 @@ class LlamaRunner:
                 qk = torch.cat([q_normed, F.rms_norm(qk[:, :, H:], (D,), layer.k_norm, self.eps)], dim=2)
             qk = self._rotate(qk, cos, sin).transpose(1, 2)  # (R, H + KV, Q, D)
             q, k = qk[:, :H], qk[:, H:]
-            if rows is not None:
-                k, v = cache.update(i, k, v, rows)
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=KV != H, **attention)
+            out = self._attend(i, q, k, v, cache, rows, attention)
             h = self._norm(x, layer.o(out.transpose(1, 2).reshape(R, Q, H * D)), layer.post_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             delta = layer.down(F.silu(gate) * up)

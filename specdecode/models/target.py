@@ -275,4 +275,5 @@ class _HFCache(Cache):
         self.kv, self.rows = kv, rows
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.kv.update(layer_idx, key_states, value_states, self.rows)
+        self.kv.write(layer_idx, key_states, value_states, self.rows)
+        return self.kv.read(layer_idx, self.rows)
