@@ -17,6 +17,12 @@ class _Parser(argparse.ArgumentParser):
         raise SpecDecodeError(f"{self.prog}: {message}")
 
 
+DRAFTER_HELP = (
+    "default (suffix decoding + the drafter shipped for the target, else suffix alone) | none | ngram | suffix "
+    "| draft-model | a checkpoint folder | suffix+FOLDER"
+)
+
+
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="registry name, HF folder or org/name hub id")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -57,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--drafter",
         default="default",
-        help="default (shipped for the target, else ngram) | none | ngram | draft-model | a checkpoint folder",
+        help=DRAFTER_HELP,
     )
     g.add_argument("--draft-model", default=None, help="for --drafter draft-model: a same-tokenizer LM")
     g.add_argument("--draft-length", type=int, default=8, help="draft tokens verified per round")
@@ -77,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="normal vs speculative decoding side by side on the default target")
     _add_target_args(d)
-    d.add_argument("--drafter", default="default", help="default: the drafter shipped for the target, else ngram")
+    d.add_argument("--drafter", default="default", help=DRAFTER_HELP)
     d.add_argument("--max-new-tokens", type=int, default=96)
 
     c = sub.add_parser("cost", help="pass cost model: read vs math time, expected speedup")
@@ -99,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--contexts", default="128,512,1024")
     bp.add_argument("--reps", type=int, default=9)
     bp.add_argument("--out", default="docs/results")
+    bh = bsub.add_parser("hybrid", help="suffix decoding, the shipped drafter and their hybrid, interleaved")
+    _add_target_args(bh)
+    bh.add_argument("--draft-length", type=int, default=8)
+    bh.add_argument("--max-new-tokens", type=int, default=128)
+    bh.add_argument("--per-benchmark", type=int, default=3, help="prompts from each benchmark of the mix")
+    bh.add_argument("--repeats", type=int, default=1, help="interleaved repetitions per prompt")
+    bh.add_argument("--out", default="docs/results")
     bb = bsub.add_parser("baselines", help="tokens/s of none / ngram / draft-model, interleaved")
     _add_target_args(bb)
     bb.add_argument("--draft-length", type=int, default=8)
@@ -217,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     _add_target_args(sv)
-    sv.add_argument("--drafter", default="default", help="default (shipped) | none | ngram | a drafter folder")
+    sv.add_argument("--drafter", default="default", help=DRAFTER_HELP)
     sv.add_argument("--scheduler", default="fixed", choices=["prefix", "fixed", "threshold"])
     sv.add_argument("--draft-length", type=int, default=7, help="most draft tokens verified per request and step")
     sv.add_argument("--threshold", type=float, default=0.5, help="for --scheduler threshold: the confidence cut")
@@ -421,6 +434,11 @@ def cmd_bench(args) -> None:
         from specdecode.evaluation.premise import run_premise
 
         run_premise(args.target, _positions(args.positions), _positions(args.contexts), args.reps, args.out)
+    elif args.bench == "hybrid":
+        from specdecode.evaluation.hybrid_bench import run_hybrid_bench
+
+        target = _load_target(args)
+        run_hybrid_bench(target, args.draft_length, args.max_new_tokens, args.per_benchmark, args.repeats, args.out)
     elif args.bench == "baselines":
         from specdecode.evaluation.baselines import run_baselines
 

@@ -22,7 +22,10 @@ def run_demo(target: Target, drafter_spec: str, max_new_tokens: int) -> None:
     params = SamplingParams(temperature=0.0)
     rows = []
     shipped = shipped_drafter(target.name) if drafter_spec == "default" else None
-    drafter_spec = f"{drafter.name} (shipped with specdecode)" if shipped else drafter.name
+    if shipped:
+        drafter_spec = f"{drafter.name} (suffix decoding + the drafter shipped with specdecode)"
+    else:
+        drafter_spec = drafter.name
     print(f"target {target.name} on {target.device}, drafter {drafter_spec}, {scheduler} scheduler, temperature 0\n")
     for n, prompt in enumerate(DEMO_PROMPTS, 1):
         ids = target.encode(prompt)
@@ -36,8 +39,12 @@ def run_demo(target: Target, drafter_spec: str, max_new_tokens: int) -> None:
         print(
             f"\n--- normal {base.stats.tokens_per_s:.1f} tok/s | speculative {spec.stats.tokens_per_s:.1f} tok/s"
             f" | mean accepted length {spec.stats.mean_accepted_length:.2f}"
-            f" | identical to normal decoding: {'yes' if same else 'NO'}\n"
+            f" | identical to normal decoding: {'yes' if same else 'NO'}"
         )
+        if spec.stats.proposers:
+            won = ", ".join(f"{name} {rounds}" for name, rounds in sorted(spec.stats.proposers.items()))
+            print(f"--- rounds won by each proposer: {won} (of {len(spec.stats.accepted_lengths)})")
+        print()
         rows.append((n, base.stats, spec.stats, same))
     print("| prompt | normal tok/s | speculative tok/s | speedup | mean accepted length | identical |")
     print("|---|---|---|---|---|---|")

@@ -40,16 +40,23 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, -math.inf)
+        # the k best, in descending order: top-p then ranks k tokens, not the vocabulary (sorting 49k logits
+        # per row was most of a batched sampling step); exactly k are kept, ties at the k-th broken by topk
+        kept, order = torch.topk(logits, params.top_k, dim=-1)
+        if params.top_p < 1:
+            kept = _nucleus(kept, params.top_p)
+        return torch.zeros_like(logits).scatter(-1, order, kept.softmax(-1))
     if params.top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens ranked above it already hold top_p of the mass (keeps the top one)
-        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, -math.inf)
+        logits = logits.scatter(-1, order, _nucleus(sorted_logits, params.top_p))
     return logits.softmax(-1)
+
+
+def _nucleus(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Logits in descending order with -inf where the tokens ranked above already hold top_p of the mass
+    (the top one is always kept)."""
+    sorted_probs = sorted_logits.softmax(-1)
+    return sorted_logits.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, -math.inf)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:

@@ -5,8 +5,8 @@ import torch
 from specdecode.drafters import build_drafter
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.checkpoint import load_drafter, save_drafter
-from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.shipped import export_drafter, shipped_drafter
+from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.sampling import SamplingParams
 from tests.conftest import tiny_target
@@ -24,15 +24,15 @@ def test_export_casts_weights_and_still_loads(tmp_path):
     assert torch.equal(loaded.model.fc.weight, model.fc.weight.bfloat16().float())
 
 
-def test_default_falls_back_to_prompt_lookup_without_a_shipped_drafter():
+def test_default_falls_back_to_suffix_decoding_without_a_shipped_drafter():
     assert shipped_drafter("tiny") is None
-    assert isinstance(build_drafter("default", tiny_target()), NgramDrafter)
+    assert isinstance(build_drafter("default", tiny_target()), SuffixDrafter)
 
 
 def test_shipped_drafter_serves_the_default_target_losslessly(smollm2):
     assert shipped_drafter(smollm2.name) is not None
     drafter = build_drafter("default", smollm2)
-    assert drafter.name == "dspark" and drafter.config.calibration_temperatures
+    assert drafter.name == "suffix+dspark" and drafter.model.config.calibration_temperatures
     prompt = smollm2.encode("What is 12 times 7? Answer briefly.")
     params = SamplingParams()
     reference = SpeculativeDecoder(smollm2, Drafter(), 0).generate(prompt, params, max_new_tokens=48)[0]

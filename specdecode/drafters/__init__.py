@@ -1,5 +1,6 @@
-"""Drafters: `none` (normal decoding), `ngram`, `draft-model`, the shipped `default`, and trained drafters
-loaded from a folder."""
+"""Drafters: `none` (normal decoding), `ngram`, `suffix`, `draft-model`, trained drafters loaded from a
+folder, `suffix+FOLDER` (a hybrid), and `default`: the hybrid of suffix decoding and the target's shipped
+drafter, or suffix decoding alone for a target that ships none."""
 
 from pathlib import Path
 
@@ -7,24 +8,33 @@ from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
 
-BUILTIN_DRAFTERS = ("default", "none", "ngram", "draft-model")
+BUILTIN_DRAFTERS = ("default", "none", "ngram", "suffix", "draft-model")
+HYBRID_PREFIX = "suffix+"
 
 __all__ = ["BUILTIN_DRAFTERS", "Drafter", "Proposal", "TargetFeatures", "build_drafter"]
 
 
 def build_drafter(spec: str, target: Target, draft_model: str | None = None) -> Drafter:
-    """Make the drafter named by `spec` for `target`; `default` is the shipped drafter, else `ngram`."""
+    """Make the drafter named by `spec` for `target` (see the module docstring for the names)."""
     if spec == "default":
         from specdecode.drafters.shipped import shipped_drafter
 
         shipped = shipped_drafter(target.name)
-        spec = str(shipped) if shipped else "ngram"
+        spec = f"{HYBRID_PREFIX}{shipped}" if shipped else "suffix"
+    if spec.startswith(HYBRID_PREFIX) and spec != HYBRID_PREFIX:
+        from specdecode.drafters.hybrid import HybridDrafter
+
+        return HybridDrafter(build_drafter(spec[len(HYBRID_PREFIX) :], target, draft_model))
     if spec == "none":
         return Drafter()
     if spec == "ngram":
         from specdecode.drafters.ngram import NgramDrafter
 
         return NgramDrafter()
+    if spec == "suffix":
+        from specdecode.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter()
     if spec == "draft-model":
         from specdecode.drafters.draft_model import DraftModelDrafter
 
@@ -34,5 +44,6 @@ def build_drafter(spec: str, target: Target, draft_model: str | None = None) -> 
 
         return load_drafter(Path(spec).expanduser(), target)
     raise SpecDecodeError(
-        f"unknown drafter '{spec}'; choose one of {', '.join(BUILTIN_DRAFTERS)} or a trained drafter's folder"
+        f"unknown drafter '{spec}'; choose one of {', '.join(BUILTIN_DRAFTERS)}, a trained drafter's folder, "
+        f"or {HYBRID_PREFIX}<one of those> for a hybrid with suffix decoding"
     )

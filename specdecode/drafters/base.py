@@ -23,10 +23,23 @@ class Proposal:
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     confidences: torch.Tensor | None = None
+    source: str | None = None  # which proposer of a hybrid made it (kept in the round statistics)
 
     @property
     def length(self) -> int:
         return int(self.tokens.numel())
+
+    def prefix(self, length: int) -> "Proposal":
+        """The first `length` drafts: verifying a prefix of a chain keeps verification exact."""
+        if length >= self.length:
+            return self
+        probs, confidences = self.probs, self.confidences
+        return Proposal(
+            self.tokens[:length],
+            None if probs is None else probs[:length],
+            None if confidences is None else confidences[:length],
+            self.source,
+        )
 
 
 @dataclass
@@ -79,6 +92,7 @@ class Drafter:
 
     name = "none"
     target_layer_ids: list[int] = []  # target layers whose outputs the drafter reads
+    has_confidences = False  # proposals carry confidences (what the prefix and threshold schedulers need)
 
     def check_target(self, target: Target) -> None:
         """Raise `SpecDecodeError` when this drafter cannot serve `target` (vocabulary, fingerprint)."""
@@ -108,3 +122,6 @@ class Drafter:
 
     def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
         """`ids` is the committed sequence after a round in which `num_accepted` drafts survived."""
+
+    def end(self, ids: list[int]) -> None:
+        """The completion is over; `ids` is its whole sequence (prompt and output)."""

@@ -183,6 +183,10 @@ class BlockDrafter(Drafter):
         self.name = model.config.kind
         self.target_layer_ids = list(model.config.target_layer_ids)
 
+    @property
+    def has_confidences(self) -> bool:
+        return self.config.confidence_head
+
     def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:
         self.params, self.generator = params, generator
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None

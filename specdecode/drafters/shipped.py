@@ -1,9 +1,9 @@
 """The drafters shipped inside the package: one small trained drafter per registry target.
 
-`--drafter default` (the default of `generate` and `demo`) means the shipped drafter of the target when
-there is one, and prompt lookup (`ngram`) otherwise. Shipped weights are stored in bfloat16 to halve
-their size; they are cast to the target's dtype when loaded, so inference runs exactly as trained
-up to that rounding.
+`--drafter default` (the default of `generate`, `demo` and `serve`) means suffix decoding combined with the
+target's shipped drafter when there is one (`drafters/hybrid.py`), and suffix decoding alone otherwise.
+Shipped weights are stored in bfloat16 to halve their size; they are cast to the target's dtype when loaded,
+so inference runs exactly as trained up to that rounding.
 """
 
 import json

@@ -123,14 +123,18 @@ def verify_batch(batched: BatchedTarget, rows: list[VerifyRow]) -> list[RowResul
     starts = [batched.length(row.slot) for row in rows]
     inputs = [torch.cat([torch.tensor([row.last_token]), row.proposal.tokens]) for row in rows]
     out = batched.forward([row.slot for row in rows], inputs)
+    argmax = out.logits.argmax(-1).cpu() if any(row.params.greedy for row in rows) else None
+    target_probs = {}  # row -> p of its positions, computed once per group of rows that sample alike
+    for params in {row.params for row in rows if not row.params.greedy}:
+        group = [r for r, row in enumerate(rows) if row.params == params]
+        target_probs.update(zip(group, probabilities(out.logits[group], params).cpu(), strict=True))
     results = []
     for r, (row, start) in enumerate(zip(rows, starts, strict=True)):
         n = 1 + row.proposal.length
         if row.params.greedy:
-            result = verify_greedy(out.logits[r, :n].argmax(-1).cpu(), row.proposal.tokens)
+            result = verify_greedy(argmax[r, :n], row.proposal.tokens)
         else:
-            p = probabilities(out.logits[r, :n], row.params).cpu()
-            result = verify_chain(p, row.proposal.tokens, row.proposal.probs, row.generator)
+            result = verify_chain(target_probs[r][:n], row.proposal.tokens, row.proposal.probs, row.generator)
         kept = result.num_accepted + 1
         batched.rollback(row.slot, start + kept)
         layer_hidden = None if out.layer_hidden is None else out.layer_hidden[r, :kept]

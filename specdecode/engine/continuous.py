@@ -120,17 +120,6 @@ class _Sequence:
         return len(self.ids) - len(self.request.prompt_ids)
 
 
-def _cut(proposal: Proposal, length: int) -> Proposal:
-    """The first `length` drafts: verifying a prefix of a chain keeps verification exact."""
-    if length >= proposal.length:
-        return proposal
-    return Proposal(
-        tokens=proposal.tokens[:length],
-        probs=None if proposal.probs is None else proposal.probs[:length],
-        confidences=None if proposal.confidences is None else proposal.confidences[:length],
-    )
-
-
 class ContinuousEngine:
     """Owns the target while it runs (its KV slots and its hidden-state capture)."""
 
@@ -300,7 +289,7 @@ class ContinuousEngine:
             self.config.threshold,
             self.config.draft_length,
         )
-        proposals = [_cut(p, n) for p, n in zip(proposals, lengths, strict=True)]
+        proposals = [p.prefix(n) for p, n in zip(proposals, lengths, strict=True)]
         rows = [
             VerifyRow(s.slot, s.ids[-1], p, s.request.params, s.generator)
             for s, p in zip(self._running, proposals, strict=True)
@@ -313,10 +302,10 @@ class ContinuousEngine:
             self.metrics.verify_tokens.observe(sum(1 + p.length for p in proposals))
         for s, p, row in zip(self._running, proposals, results, strict=True):
             s.stats.verify_s += verify_s
-            self._commit(s, p.length, row.result, row.features)
+            self._commit(s, p, row.result, row.features)
         self._running = [s for s in self._running if not s.finished]
 
-    def _commit(self, s: _Sequence, verified: int, result, features: TargetFeatures) -> None:
+    def _commit(self, s: _Sequence, verified: Proposal, result, features: TargetFeatures) -> None:
         """As in `SpeculativeDecoder._complete`: cut at the limit and EOS, observe, stream, maybe finish."""
         t0 = time.perf_counter()
         new = result.tokens[: s.request.max_tokens - s.generated]
@@ -325,11 +314,11 @@ class ContinuousEngine:
             new = new[: hit_eos + 1]
         s.ids += new
         s.drafter.observe(s.ids, result.num_accepted, features)
-        s.stats.record_round(verified, result.num_accepted)
+        s.stats.record_round(verified.length, result.num_accepted, verified.source)
         now = time.perf_counter()
         handle = s.request.handle
         with self.metrics.lock:
-            self.metrics.record_round(verified, result.num_accepted)
+            self.metrics.record_round(verified.length, result.num_accepted)
             self.metrics.generated_tokens += len(new)
             if handle.time_to_first_token_s is None:
                 handle.time_to_first_token_s = now - handle.submitted
@@ -360,6 +349,7 @@ class ContinuousEngine:
 
     def _finish(self, s: _Sequence, reason: str, text: str | None = None) -> None:
         self._release(s, "cancelled" if reason == "cancelled" else "finished")
+        s.drafter.end(s.ids)
         generated = s.ids[len(s.request.prompt_ids) :]
         s.stats.new_tokens = len(generated)
         s.stats.wall_s = time.perf_counter() - s.started

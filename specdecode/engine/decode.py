@@ -118,7 +118,7 @@ class SpeculativeDecoder:
             t1 = time.perf_counter()
             result, kept_features = self._verify(ids, proposal, params, generator)
             t2 = time.perf_counter()
-            stats.record_round(_draft_depth(proposal), result.num_accepted)
+            stats.record_round(_draft_depth(proposal), result.num_accepted, getattr(proposal, "source", None))
             new = result.tokens[: limit - (len(ids) - len(prompt_ids))]
             hit_eos = next((j for j, t in enumerate(new) if t in eos), None)
             if hit_eos is not None:
@@ -136,6 +136,7 @@ class SpeculativeDecoder:
                 if len(shown) > len(streamed):
                     emit(shown[len(streamed) :])
                     streamed = shown
+        drafter.end(ids)
         if emit and len(text) > len(streamed):
             emit(text[len(streamed) :])
         generated = ids[len(prompt_ids) :]
@@ -153,8 +154,7 @@ class SpeculativeDecoder:
         if self.scheduler == "fixed" or not proposal.length:
             return proposal
         (n,) = schedule(self.scheduler, [proposal.confidences], [proposal.length], self.steps_per_s, self.threshold)
-        probs, confidences = proposal.probs, proposal.confidences
-        return Proposal(proposal.tokens[:n], None if probs is None else probs[:n], confidences[:n])
+        return proposal.prefix(n)
 
     def _verify(
         self, ids: list[int], proposal: Proposal | TreeProposal, params: SamplingParams, generator: torch.Generator

@@ -27,9 +27,7 @@ SCHEDULER_MODES = ("prefix", "threshold", "fixed")
 
 def has_confidences(drafter: "Drafter") -> bool:
     """Whether the drafter's proposals carry confidences (DSpark's head), which `prefix` and `threshold` need."""
-    from specdecode.drafters.dspark import BlockDrafter
-
-    return isinstance(drafter, BlockDrafter) and drafter.config.confidence_head
+    return drafter.has_confidences
 
 
 def prefix_survival(confidences: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,16 @@ class DecodeStats:
     position_attempts: list[int] = field(default_factory=list)  # rounds that reached draft position j
     position_accepts: list[int] = field(default_factory=list)  # ... and kept it
     target_passes: int = 0
+    proposers: dict[str, int] = field(default_factory=dict)  # rounds whose verified drafts each proposer made
     new_tokens: int = 0
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     wall_s: float = 0.0
 
-    def record_round(self, proposed: int, accepted: int) -> None:
+    def record_round(self, proposed: int, accepted: int, source: str | None = None) -> None:
+        if source is not None and proposed:
+            self.proposers[source] = self.proposers.get(source, 0) + 1
         self.accepted_lengths.append(accepted + 1)
         self.target_passes += 1
         reached = min(accepted + 1, proposed)
@@ -25,6 +28,8 @@ class DecodeStats:
 
     def merge(self, other: "DecodeStats") -> None:
         self.accepted_lengths += other.accepted_lengths
+        for source, rounds in other.proposers.items():
+            self.proposers[source] = self.proposers.get(source, 0) + rounds
         self._add_positions(other.position_attempts, other.position_accepts)
         for name in ("target_passes", "new_tokens", "prefill_s", "draft_s", "verify_s", "wall_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -56,6 +61,7 @@ class DecodeStats:
             "new_tokens": self.new_tokens,
             "rounds": len(self.accepted_lengths),
             "target_passes": self.target_passes,
+            "proposers": dict(self.proposers),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_lengths": self.accepted_lengths,
             "per_position_acceptance": [round(a, 4) for a in self.per_position_acceptance],

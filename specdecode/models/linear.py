@@ -231,4 +231,3 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
         else:
             lin.drop_onednn()
     return {"choice": choice, "timings": timings}
-

@@ -1,0 +1,130 @@
+"""One proposer for every kind of text: suffix decoding where the text repeats, a model drafter elsewhere,
+and no drafts at all where neither pays.
+
+Each round the suffix drafter proposes first (a lookup, microseconds) with its expected number of
+surviving drafts (from its learned confidences). The model drafter is asked only when that looks like the
+faster round: tokens per second are estimated for both kinds of round as (1 + drafts expected to survive)
+/ (a round's measured wall time, drafting and verification), the model's drafts per round taken from its
+recent rounds in this request. On copy-heavy text the suffix wins and the model's drafting pass is saved;
+where the model's drafts do not pay for their drafting time, rounds go without it (the suffix's proposal,
+often nothing: normal decoding). The model drafts again after `EXPLORE_EVERY` rounds without it, so its
+estimate stays current. Both parts observe every round, so each stays in step with the committed text.
+
+Lossless at any temperature: the choice depends only on the context, on earlier rounds and on the clock,
+never on the model's drafts of this round, so whichever proposal is verified was drawn from the q it
+carries (choosing a sampled chain by its own tokens would bias the output, as a retrospective scheduler
+does).
+"""
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
+from specdecode.drafters.suffix import SuffixDrafter, expected_accepted
+from specdecode.models.target import Target
+from specdecode.sampling import SamplingParams
+
+DECAY = 0.9  # weight of the past in the running means
+EXPLORE_EVERY = 16  # rounds without the model before it drafts once more
+
+
+@dataclass
+class SharedEstimates:
+    """What every request of a drafter learns together: a round's wall time with and without the model
+    drafting (they run on the same machine), the model's drafts kept per round (a new request starts from
+    it, then follows its own text), and the rounds since the model last drafted."""
+
+    model_s: float | None = None
+    light_s: float | None = None
+    model_kept: float = 1.0
+    without_model: int = 0
+
+    def update_time(self, model: bool, seconds: float) -> None:
+        name = "model_s" if model else "light_s"
+        old = getattr(self, name)
+        setattr(self, name, seconds if old is None else DECAY * old + (1 - DECAY) * seconds)
+
+
+class HybridDrafter(Drafter):
+    def __init__(
+        self,
+        model: Drafter,
+        suffix: SuffixDrafter | None = None,
+        model_prior: float = 1.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """`model_prior`: drafts per round credited to the model before it has drafted;
+        `clock`: where round times come from (tests pass a deterministic one)."""
+        self.model, self.suffix = model, suffix or SuffixDrafter()
+        self.name = f"suffix+{model.name}"
+        self.target_layer_ids = list(model.target_layer_ids)
+        self.has_confidences = model.has_confidences
+        self.shared, self.clock = SharedEstimates(model_kept=model_prior), clock
+        self._owner: HybridDrafter | None = None  # the instance whose request the parts' state belongs to
+
+    def check_target(self, target: Target) -> None:
+        self.model.check_target(target)
+
+    def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:
+        if self._owner is not self:  # a per-request shallow copy (the continuous engine): parts of its own
+            self.model, self.suffix = copy.copy(self.model), copy.copy(self.suffix)
+            self._owner = self
+        self.model.begin(prompt_ids, params, generator, features)
+        self.suffix.begin(prompt_ids, params, generator, features)
+        self.model_kept = self.shared.model_kept
+        self.model_pending: tuple[int, list[int]] | None = None
+        self.round_start = 0.0
+
+    def _wants_model(self, suffix_expected: float) -> bool:
+        """Whether a round with the model's drafts is expected to give more tokens per second."""
+        shared = self.shared
+        if shared.model_s is None or shared.without_model >= EXPLORE_EVERY:
+            return True
+        if shared.light_s is None:
+            return False
+        return (1 + self.model_kept) / shared.model_s > (1 + suffix_expected) / shared.light_s
+
+    def propose(self, ids: list[int], max_tokens: int) -> Proposal:
+        return self.propose_batch([self], [ids], [max_tokens])[0]
+
+    @classmethod
+    def propose_batch(cls, drafters: list[Drafter], ids: list[list[int]], max_tokens: list[int]) -> list[Proposal]:
+        """Suffix proposals for every request; one batched model call for the requests that want the model."""
+        proposals, wanted = [], []
+        for r, (d, context, n) in enumerate(zip(drafters, ids, max_tokens, strict=True)):
+            d.round_start, d.model_pending = d.clock(), None
+            proposal = d.suffix.propose(context, n) if n > 0 else EMPTY_PROPOSAL
+            proposals.append(proposal)
+            if n > 0 and d._wants_model(expected_accepted(proposal.confidences) if proposal.length else 0.0):
+                wanted.append(r)
+        if wanted:
+            model = drafters[wanted[0]].model
+            drafted = type(model).propose_batch(
+                [drafters[r].model for r in wanted], [ids[r] for r in wanted], [max_tokens[r] for r in wanted]
+            )
+            for r, proposal in zip(wanted, drafted, strict=True):
+                proposals[r] = replace(proposal, source="model")
+                drafters[r].model_pending = (len(ids[r]), proposal.tokens.tolist())
+        return proposals
+
+    def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
+        self.model.observe(ids, num_accepted, features)
+        self.suffix.observe(ids, num_accepted, features)
+        shared, drafted = self.shared, self.model_pending is not None
+        shared.update_time(drafted, self.clock() - self.round_start)
+        shared.without_model = 0 if drafted else shared.without_model + 1
+        if drafted:  # how far the target agreed with the model's drafts
+            position, tokens = self.model_pending
+            kept = 0
+            while kept < len(tokens) and position + kept < len(ids) and ids[position + kept] == tokens[kept]:
+                kept += 1
+            self.model_kept = DECAY * self.model_kept + (1 - DECAY) * kept
+            shared.model_kept = DECAY * shared.model_kept + (1 - DECAY) * kept
+
+    def end(self, ids: list[int]) -> None:
+        self.model.end(ids)
+        self.suffix.end(ids)

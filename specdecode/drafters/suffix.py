@@ -1,0 +1,275 @@
+"""Suffix decoding: propose the most frequent continuation of the longest earlier match of the context.
+
+Text that repeats its context (editing code, quoting, summarizing a passage, re-emitting tool output) is
+drafted for free by looking the context up (SuffixDecoding, Oliaro et al. 2024; Arctic Inference). Where
+n-gram lookup takes the last match of a fixed-length suffix, this finds the *longest* suffix that occurred
+before and counts every continuation that followed it, so the proposal is the likeliest path, each token
+scored by its empirical frequency, and the proposal grows or shrinks with the evidence.
+
+The index is a suffix automaton (Blumer et al. 1985): about two states per token, built online in O(1)
+amortized time per appended token. Each state counts the positions where its strings end; an append
+adds one to every state on the new state's suffix-link path, a walk that `MAX_COUNT_WALK` bounds (a path
+is as long as the number of distinct occurrence counts among the context's suffixes: a handful in text,
+long only in a run of one repeated token, where the counts of the shortest suffixes then stop growing).
+
+Two indexes serve a request: its own prompt and output, and optionally a global one over earlier
+requests' outputs (bounded: the oldest half is dropped when it fills).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
+from specdecode.sampling import SamplingParams
+
+MAX_COUNT_WALK = 64
+SEPARATOR = -1  # ends a document in the global index; never a token, so no match crosses it
+
+
+class SuffixAutomaton:
+    """The minimal automaton of every suffix of a token stream, with occurrence counts."""
+
+    def __init__(self) -> None:
+        self.next: list[dict[int, int]] = [{}]  # state -> {token: state}
+        self.link = [-1]  # suffix link: the state of the longest suffix with more occurrences
+        self.length = [0]  # length of the longest string of the state
+        self.count = [0]  # occurrences (end positions) of the state's strings
+        self.last = 0  # the state of the whole stream
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def append(self, token: int) -> None:
+        nxt, link, length, count = self.next, self.link, self.length, self.count
+        cur = len(length)
+        nxt.append({})
+        link.append(0)
+        length.append(length[self.last] + 1)
+        count.append(0)
+        p = self.last
+        while p != -1 and token not in nxt[p]:
+            nxt[p][token] = cur
+            p = link[p]
+        if p != -1:
+            q = nxt[p][token]
+            if length[p] + 1 == length[q]:
+                link[cur] = q
+            else:  # split q: its shorter strings now also end here
+                clone = len(length)
+                nxt.append(dict(nxt[q]))
+                link.append(link[q])
+                length.append(length[p] + 1)
+                count.append(count[q])
+                while p != -1 and nxt[p].get(token) == q:
+                    nxt[p][token] = clone
+                    p = link[p]
+                link[q] = link[cur] = clone
+        self.last = cur
+        self.tokens += 1
+        state, steps = cur, 0
+        while state > 0 and steps < MAX_COUNT_WALK:  # the new end position is an occurrence of each suffix
+            count[state] += 1
+            state = link[state]
+            steps += 1
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.append(token)
+
+    def match(self, state: int, matched: int, token: int) -> tuple[int, int]:
+        """Extend a match (state, length) of some text by `token`: the longest suffix of text + token that
+        occurs in the stream (the standard automaton matching walk, O(1) amortized)."""
+        while state and token not in self.next[state]:
+            state = self.link[state]
+            matched = self.length[state]
+        if token in self.next[state]:
+            return self.next[state][token], matched + 1
+        return 0, 0
+
+    def match_suffix(self, tokens: list[int]) -> tuple[int, int]:
+        """The longest suffix of `tokens` that occurs in the stream: (its state, its length)."""
+        state, matched = 0, 0
+        for token in tokens:
+            state, matched = self.match(state, matched, token)
+        return state, matched
+
+    def continuation(self, state: int, max_tokens: int, min_score: float) -> tuple[list[int], list[float]]:
+        """From `state`, follow the most frequent next token while the path's probability (the product of
+        each step's frequency among the continuations seen) stays >= `min_score`."""
+        tokens, scores, path = [], [], 1.0
+        while len(tokens) < max_tokens:
+            edges = self.next[state]
+            if not edges:
+                break
+            seen = 0
+            best_token, best_state, best_count = SEPARATOR, 0, -1
+            for token, child in edges.items():
+                seen += self.count[child]
+                if self.count[child] > best_count:
+                    best_token, best_state, best_count = token, child, self.count[child]
+            score = best_count / seen if seen else 0.0
+            if best_token == SEPARATOR or path * score < min_score:
+                break
+            tokens.append(best_token)
+            scores.append(score)
+            path *= score
+            state = best_state
+        return tokens, scores
+
+
+class GlobalSuffixIndex:
+    """Earlier requests' outputs, shared by every request of a process, in at most two automata of
+    `capacity // 2` tokens each: when the newer fills up, the older is dropped (oldest outputs first)."""
+
+    def __init__(self, capacity: int = 200_000) -> None:
+        self.capacity = capacity
+        self.automata = [SuffixAutomaton()]
+        self.version = 0  # bumped on every change, so a request knows when to match again
+
+    def add(self, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        if len(self.automata[-1]) + len(tokens) > self.capacity // 2:
+            self.automata = [*self.automata[-1:], SuffixAutomaton()]
+        newest = self.automata[-1]
+        newest.extend(tokens[-(self.capacity // 2 - 1) :])
+        newest.append(SEPARATOR)
+        self.version += 1
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(a) for a in self.automata)
+
+
+class AcceptanceTable:
+    """P(a suffix draft survives | its prefix survived), learned online from verified rounds per (matched
+    length, frequency score) cell, from a Beta(1, 1) prior. Counts alone are overconfident (a phrase seen
+    once scores 1.0), and how much a match predicts depends on the text: a long match in a copied passage
+    is near certain, a two-token match in fresh prose rarely is."""
+
+    LENGTHS = (1, 2, 4, 8, 16)  # matched-length cells: 1, 2, 3-4, 5-8, 9-16, 17+
+    SCORES = (0.5, 0.8, 0.95)  # frequency-score cells: <0.5, <0.8, <0.95, >=0.95
+
+    def __init__(self) -> None:
+        cells = (len(self.LENGTHS) + 1) * (len(self.SCORES) + 1)
+        self.tries = [2.0] * cells
+        self.hits = [1.0] * cells
+
+    def cell(self, matched: int, score: float) -> int:
+        length = sum(matched > bound for bound in self.LENGTHS)
+        return length * (len(self.SCORES) + 1) + sum(score >= bound for bound in self.SCORES)
+
+    def confidence(self, cell: int) -> float:
+        return self.hits[cell] / self.tries[cell]
+
+    def record(self, cell: int, survived: bool) -> None:
+        self.tries[cell] += 1
+        self.hits[cell] += survived
+
+
+@dataclass
+class SuffixSettings:
+    """`max_spec_factor`: at most this many tokens per matched token (SuffixDecoding's alpha); `min_score`:
+    stop a proposal when its path probability falls below this; `global_capacity`: 0 turns the shared
+    index of earlier outputs off."""
+
+    max_spec_factor: float = 2.0
+    min_score: float = 0.1
+    global_capacity: int = 200_000
+    rematch_tokens: int = 64  # context tokens matched again in the global index after it changed
+
+
+class SuffixDrafter(Drafter):
+    """Deterministic proposals (q one-hot); confidences from the acceptance table, per token."""
+
+    name = "suffix"
+    has_confidences = True
+
+    def __init__(self, settings: SuffixSettings | None = None) -> None:
+        self.settings = settings or SuffixSettings()
+        capacity = self.settings.global_capacity
+        # shared by every request of a process (the engine's per-request copies keep these references)
+        self.shared = GlobalSuffixIndex(capacity) if capacity > 0 else None
+        self.table = AcceptanceTable()
+
+    def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:
+        self.local = SuffixAutomaton()
+        self.local.extend(prompt_ids)
+        self.prompt_length = len(prompt_ids)
+        self.global_matches: list[tuple[int, int]] = []  # (state, length) in each automaton of the index
+        self.global_version = -1
+        self.pending: tuple[int, list[int], list[int]] | None = None  # (position, drafts, cells) to score
+
+    def _sync(self, ids: list[int]) -> None:
+        """Index the tokens committed since the last call, and follow them in the global index."""
+        fresh = ids[len(self.local) :]
+        self.local.extend(fresh)
+        if self.shared is None:
+            return
+        if self.global_version != self.shared.version:  # the index changed under the matches: match again
+            fresh = ids[-self.settings.rematch_tokens :]
+            self.global_matches = [(0, 0)] * len(self.shared.automata)
+            self.global_version = self.shared.version
+        for a, automaton in enumerate(self.shared.automata):
+            state, matched = self.global_matches[a]
+            for token in fresh:
+                state, matched = automaton.match(state, matched, token)
+            self.global_matches[a] = (state, matched)
+
+    def propose(self, ids: list[int], max_tokens: int) -> Proposal:
+        self.pending = None
+        if max_tokens <= 0:
+            return EMPTY_PROPOSAL
+        self._sync(ids)
+        candidates = []
+        local_state = self.local.link[self.local.last]  # the longest suffix that also ended earlier
+        if local_state > 0:
+            candidates.append((self.local, local_state, self.local.length[local_state]))
+        if self.shared is not None:
+            for automaton, (state, matched) in zip(self.shared.automata, self.global_matches, strict=True):
+                if matched > 0:
+                    candidates.append((automaton, state, matched))
+        best, best_value = None, 0.0
+        for automaton, state, matched in candidates:
+            limit = min(max_tokens, max(1, int(self.settings.max_spec_factor * matched)))
+            tokens, scores = automaton.continuation(state, limit, self.settings.min_score)
+            cells = [self.table.cell(matched, score) for score in scores]
+            confidences = [self.table.confidence(cell) for cell in cells]
+            value = expected_accepted(confidences)
+            if value > best_value:
+                best, best_value = (tokens, cells, confidences), value
+        if best is None:
+            return EMPTY_PROPOSAL
+        tokens, cells, confidences = best
+        self.pending = (len(ids), tokens, cells)
+        return Proposal(torch.tensor(tokens, dtype=torch.long), confidences=torch.tensor(confidences), source="suffix")
+
+    def observe(self, ids: list[int], num_accepted: int, features) -> None:
+        """Score the last proposal against what was committed, whichever drafter's proposal was verified: a
+        draft the target agreed with survives (at temperature 0 exactly what verification does)."""
+        if self.pending is None:
+            return
+        position, tokens, cells = self.pending
+        self.pending = None
+        for j, (token, cell) in enumerate(zip(tokens, cells, strict=True)):
+            if position + j >= len(ids):
+                break
+            survived = ids[position + j] == token
+            self.table.record(cell, survived)
+            if not survived:
+                break
+
+    def end(self, ids: list[int]) -> None:
+        if self.shared is not None:
+            self.shared.add(ids[self.prompt_length :])
+
+
+def expected_accepted(confidences) -> float:
+    """sum_j prod_{i<=j} c_i: the expected number of drafts a chain with these survival odds keeps."""
+    total, path = 0.0, 1.0
+    for c in confidences:
+        path *= float(c)
+        total += path
+    return total

@@ -1,0 +1,191 @@
+"""Suffix decoding and the hybrid proposer: the index counts exactly, proposals follow the evidence, and
+decoding with either stays lossless (exact at temperature 0, the target's distribution at temperature 1)."""
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.hybrid import HybridDrafter
+from specdecode.drafters.suffix import (
+    AcceptanceTable,
+    GlobalSuffixIndex,
+    SuffixAutomaton,
+    SuffixDrafter,
+    SuffixSettings,
+)
+from specdecode.engine.continuous import ContinuousEngine, EngineConfig
+from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.sampling import SamplingParams
+from tests.conftest import tiny_llama, tiny_target
+from tests.test_batch import _normal_greedy, _tiny_dspark
+from tests.test_lossless import exact_two_token_distribution
+from tests.test_verify import chi_square_pvalue
+
+GREEDY = SamplingParams()
+
+
+def occurrences(stream: list[int], pattern: list[int]) -> int:
+    n = len(pattern)
+    return sum(stream[i : i + n] == pattern for i in range(len(stream) - n + 1))
+
+
+def test_automaton_counts_every_substring_exactly():
+    """On random streams over small alphabets (many repeats), built one token at a time: the state reached by
+    any substring counts its occurrences, and matching finds the longest suffix that occurs."""
+    rng = random.Random(0)
+    for alphabet, length in ((2, 60), (3, 80), (6, 120)):
+        stream = [rng.randrange(alphabet) for _ in range(length)]
+        automaton = SuffixAutomaton()
+        automaton.extend(stream)
+        assert len(automaton) == length and len(automaton.length) <= 2 * length
+        for _ in range(200):
+            start = rng.randrange(length)
+            pattern = stream[start : start + rng.randint(1, 8)]
+            state, matched = automaton.match_suffix(pattern)
+            assert matched == len(pattern)
+            assert automaton.count[state] == occurrences(stream, pattern)
+        query = [rng.randrange(alphabet + 1) for _ in range(12)]  # may hold a token never seen
+        _, matched = automaton.match_suffix(query)
+        longest = max((n for n in range(len(query) + 1) if n == 0 or occurrences(stream, query[-n:])), default=0)
+        assert matched == longest
+
+
+def test_continuation_is_the_most_frequent_path_with_its_frequencies():
+    automaton = SuffixAutomaton()
+    automaton.extend([1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 1, 2])
+    state, matched = automaton.match_suffix([1, 2])
+    assert matched == 2
+    tokens, scores = automaton.continuation(state, max_tokens=3, min_score=0.0)
+    # [1, 2] was followed by 3 twice and 4 once (its last occurrence, at the end, by nothing yet)
+    assert tokens == [3, 9, 1] and scores[0] == pytest.approx(2 / 3) and scores[1:] == [1.0, 1.0]
+    short, _ = automaton.continuation(state, max_tokens=3, min_score=0.9)
+    assert short == []  # 2/3 < 0.9: nothing is proposed
+
+
+def test_drafter_copies_a_passage_and_adapts_its_length():
+    passage = list(range(100, 140))
+    drafter = SuffixDrafter(SuffixSettings(global_capacity=0))
+    prompt = [5, 6, *passage, 7, 8]
+    drafter.begin(prompt, GREEDY, torch.Generator(), None)
+    assert drafter.propose(prompt, 16).length == 0  # nothing before [7, 8]: no match, no proposal
+    copying = [*prompt, *passage[:3]]
+    proposal = drafter.propose(copying, 16)
+    # matched 3 tokens: at most max_spec_factor * 3 = 6 drafts, the passage's continuation
+    assert proposal.tokens.tolist() == passage[3:9]
+    longer = [*copying, *passage[3:12]]
+    assert drafter.propose(longer, 16).tokens.tolist() == passage[12:28]
+
+
+def test_acceptance_table_learns_from_verified_rounds():
+    drafter = SuffixDrafter(SuffixSettings(global_capacity=0))
+    prompt = [1, 2, 3, 4, 1, 2]
+    drafter.begin(prompt, GREEDY, torch.Generator(), None)
+    proposal = drafter.propose(prompt, 4)
+    assert proposal.tokens.tolist() == [3, 4, 1, 2]
+    before = proposal.confidences[0].item()
+    cell = drafter.pending[2][0]
+    for _ in range(20):  # the target never agrees with the first draft
+        drafter.propose(prompt, 4)
+        drafter.observe([*prompt, 9], 0, None)
+    assert drafter.table.confidence(cell) < before / 4
+    table = AcceptanceTable()
+    assert table.cell(1, 0.1) != table.cell(40, 0.99)
+
+
+def test_global_index_serves_later_requests_and_stays_bounded():
+    drafter = SuffixDrafter(SuffixSettings(global_capacity=60))
+    answer = [20, 21, 22, 23, 24, 25, 26, 27]
+    drafter.begin([1, 2], GREEDY, torch.Generator(), None)
+    drafter.end([1, 2, *answer])  # an earlier request wrote `answer`
+    other = copy_of(drafter)  # the engine's per-request copy shares the index
+    other.begin([3, 4, 20, 21, 22], GREEDY, torch.Generator(), None)
+    assert other.propose([3, 4, 20, 21, 22], 4).tokens.tolist() == [23, 24, 25, 26]
+    index = drafter.shared
+    for i in range(20):
+        index.add([50 + i] * 10)
+    assert index.tokens <= 60 + 2  # two halves of at most capacity / 2 (separators included)
+    assert len(index.automata) == 2
+    assert isinstance(index, GlobalSuffixIndex)
+    other.begin([3, 4, 20, 21, 22], GREEDY, torch.Generator(), None)
+    assert other.propose([3, 4, 20, 21, 22], 4).length == 0  # `answer` was evicted, oldest first
+
+
+def steady_clock():
+    """Every call one second later: each round takes the same time, so the hybrid's choices (and these
+    tests) do not depend on the machine."""
+    return itertools.count().__next__
+
+
+def copy_of(drafter):
+    import copy
+
+    return copy.copy(drafter)
+
+
+def test_hybrid_lets_the_suffix_win_on_copies_and_the_model_elsewhere():
+    """Tiny target and an untrained DSpark drafter: on a prompt that repeats, the suffix proposes; the round
+    statistics say who proposed, and the output is normal greedy decoding."""
+    target = tiny_target(vocab_size=32, seed=3)
+    model = _tiny_dspark(target)
+    target.set_capture_layers(model.target_layer_ids)
+    hybrid = HybridDrafter(model, SuffixDrafter(SuffixSettings(global_capacity=0)), clock=steady_clock())
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5, 6, 7, 8, 9, 10, 3, 4]
+    reference = _normal_greedy(target, prompt, 30)
+    got = SpeculativeDecoder(target, hybrid, draft_length=4).generate(prompt, GREEDY, max_new_tokens=30)[0]
+    assert got.token_ids == reference
+    assert got.stats.proposers.get("suffix", 0) >= 1 and sum(got.stats.proposers.values()) >= 2
+    assert hybrid.name == "suffix+dspark" and hybrid.has_confidences
+
+
+def test_hybrid_in_the_continuous_engine_matches_normal_decoding():
+    target = tiny_target(vocab_size=32, seed=3)
+    model = _tiny_dspark(target)
+    target.set_capture_layers(model.target_layer_ids)
+    prompts = [[3, 4, 5, 3, 4, 5, 3], [7, 8], [9, 9, 9, 9], [3, 4, 5, 6, 3, 4]]
+    references = [_normal_greedy(target, p, 12) for p in prompts]
+    hybrid = HybridDrafter(model, clock=steady_clock())
+    engine = ContinuousEngine(target, hybrid, EngineConfig(max_batch=3, max_len=40, draft_length=4))
+    engine.start()
+    try:
+        completions = [h.result(60) for h in [engine.submit(p, GREEDY, 12) for p in prompts]]
+    finally:
+        engine.stop()
+    assert [c.token_ids for c in completions] == references
+    proposers = Counter()
+    for c in completions:
+        proposers.update(c.stats.proposers)
+    assert proposers["suffix"] >= 1 and proposers["model"] >= 1
+
+
+@pytest.mark.parametrize("kind", ["suffix", "hybrid"])
+def test_sampling_matches_target_distribution(kind, tmp_path):
+    """Temperature 1, tiny target: deterministic suffix drafts and sampled draft-model drafts, in one decoder,
+    keep the first two tokens' exact distribution."""
+    target = tiny_target(vocab_size=12, seed=0)
+    suffix = SuffixDrafter()
+    if kind == "hybrid":
+        tiny_llama(vocab_size=12, seed=1).save_pretrained(tmp_path)
+        # both parts learn as the samples go (the suffix's confidences, the model's drafts kept per round),
+        # and the lead changes hands: about 2 rounds in 3 are the suffix's, 1 in 3 the model's
+        drafter = HybridDrafter(DraftModelDrafter(target, str(tmp_path)), suffix, model_prior=0.5, clock=steady_clock())
+    else:
+        drafter = suffix
+    params = SamplingParams(temperature=1.0)
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    n = 3000
+    completions = SpeculativeDecoder(target, drafter, draft_length=3).generate(
+        prompt, params, max_new_tokens=2, seed=11, num_samples=n
+    )
+    counts = Counter(tuple(c.token_ids) for c in completions)
+    assert chi_square_pvalue(counts, exact_two_token_distribution(target, prompt, params), n) > 1e-3
+    rounds = Counter()
+    for c in completions:
+        rounds.update(c.stats.proposers)
+    if kind == "hybrid":
+        assert rounds["suffix"] > n // 5 and rounds["model"] > n // 5  # one decoder, both proposers verified
+    else:
+        assert rounds["suffix"] > n // 4  # the suffix's drafts were really verified
