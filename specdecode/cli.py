@@ -134,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--batch-size", type=int, default=64, help="conversations answered at once")
     dr.add_argument("--seed", type=int, default=0)
 
+    dp = dsub.add_parser("pack", help="pack a regenerated folder into one checked .npz that train reads")
+    _add_target_args(dp)
+    dp.add_argument("--data", required=True, help="a regenerated data folder")
+    dp.add_argument("--out", required=True, help="the .npz to write (its manifest goes beside it as .json)")
+    dp.add_argument("--max-length", type=int, default=1024)
+
     dc = dsub.add_parser("cache", help="write the offline target-feature cache for training")
     _add_target_args(dc)
     dc.add_argument("--data", required=True, help="a regenerated data folder")
@@ -144,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a drafter on regenerated data (resumes from --out)")
     t.add_argument("--drafter", required=True, choices=["dspark", "dflash", "eagle3"])
     _add_target_args(t)
-    t.add_argument("--data", required=True, help="a regenerated data folder")
+    t.add_argument("--data", required=True, help="a regenerated data folder, or a packed .npz (specdecode data pack)")
     t.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, and drafter/ at the end")
     t.add_argument("--features", default="online", help="online, or the folder of an offline feature cache")
     t.add_argument("--epochs", type=int, default=1)
@@ -526,6 +532,17 @@ def _write_cache(args) -> None:
 def cmd_data(args) -> None:
     if args.data_command == "cache":
         _write_cache(args)
+        return
+    if args.data_command == "pack":
+        from specdecode.training.artifact import pack
+
+        if not args.out.endswith(".npz"):
+            raise SpecDecodeError("--out must name a .npz file")
+        manifest = pack(_load_target(args), args.data, args.out, args.max_length)
+        _note(
+            f"packed {manifest['conversations']} conversations ({manifest['tokens']} tokens, "
+            f"{manifest['bytes'] / 1e6:.1f} MB) into {args.out}, sha256 {manifest['sha256'][:16]}..."
+        )
         return
     from specdecode.sampling import SamplingParams
     from specdecode.training.prompts import build_prompt_mix, check_disjoint

@@ -24,7 +24,13 @@ MIN_SUPERVISED_TOKENS = 8
 
 
 def load_examples(target: Target, data_dir: str, max_length: int) -> list[Example]:
-    """Tokenize regenerated conversations; refuse data whose prompts overlap an evaluation set."""
+    """Tokenize regenerated conversations (a folder of shards, or a packed `.npz` that was checked when it
+    was packed); refuse data whose prompts overlap an evaluation set."""
+    if Path(data_dir).suffix == ".npz":
+        from specdecode.training.artifact import load_packed
+
+        examples = load_packed(target, data_dir, max_length)
+        return [e for e in examples if int(e.loss_mask.sum()) >= MIN_SUPERVISED_TOKENS]
     records = read_records(data_dir)
     if not records:
         raise SpecDecodeError(f"no regenerated conversations in {data_dir}; run `specdecode data regenerate` first")

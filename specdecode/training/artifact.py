@@ -1,0 +1,120 @@
+"""Regenerated data as one compact, versioned file that the repository can keep.
+
+Regeneration takes hours and caches do not survive a new machine, so the conversations the target wrote
+are packed into an `.npz` of token ids (uint16 when the vocabulary fits), assistant spans (the loss mask)
+and conversation / source ids, with a JSON manifest beside it: the file's sha256, the target and its
+tokenizer's fingerprint, the regeneration settings and the command that packed it. `specdecode train
+--data FILE.npz` reads it directly; a file whose hash or tokenizer does not match is refused.
+"""
+
+import hashlib
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.target import Target
+from specdecode.training.data import Example, tokenize_conversation
+from specdecode.training.prompts import Conversation, check_disjoint
+from specdecode.training.regenerate import read_records
+
+FORMAT = "specdecode-regenerated/1"
+
+
+def manifest_path(path: str | Path) -> Path:
+    return Path(path).with_suffix(".json")
+
+
+def tokenizer_fingerprint(target: Target) -> str:
+    """Token ids mean something only with the tokenizer and chat template that made them."""
+    tokenizer = target.tokenizer
+    text = tokenizer.backend_tokenizer.to_str() + (tokenizer.chat_template or "")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def pack(target: Target, data_dir: str | Path, out: str | Path, max_length: int = 1024) -> dict:
+    """Tokenize every regenerated conversation in `data_dir` into `out` (.npz) and its manifest (.json)."""
+    records = read_records(data_dir)
+    if not records:
+        raise SpecDecodeError(f"no regenerated conversations in {data_dir}")
+    turns = [[m["content"] for m in r["messages"] if m["role"] == "user"] for r in records]
+    check_disjoint([Conversation(r["id"], r.get("source", "?"), t) for r, t in zip(records, turns, strict=True)])
+    examples = [tokenize_conversation(target.tokenizer, r["id"], r["messages"], max_length) for r in records]
+    ids = torch.cat([e.input_ids for e in examples])
+    dtype = np.uint16 if len(target.tokenizer) <= np.iinfo(np.uint16).max + 1 else np.int32
+    spans, span_counts = [], []
+    for e in examples:
+        mask = torch.cat([torch.tensor([False]), e.loss_mask, torch.tensor([False])]).int()
+        edges = (mask[1:] - mask[:-1]).nonzero().flatten().view(-1, 2)  # [start, end) of each assistant span
+        spans.append(edges)
+        span_counts.append(len(edges))
+    arrays = {
+        "tokens": ids.numpy().astype(dtype),
+        "lengths": np.array([len(e.input_ids) for e in examples], dtype=np.int32),
+        "spans": torch.cat(spans).numpy().astype(np.int32),
+        "span_counts": np.array(span_counts, dtype=np.int32),
+        "ids": np.array([r["id"] for r in records]),
+        "sources": np.array([r.get("source", "?") for r in records]),
+    }
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(buffer.getvalue())
+    settings = Path(data_dir) / "settings.json"
+    sources: dict[str, int] = {}
+    for source in arrays["sources"].tolist():
+        sources[source] = sources.get(source, 0) + 1
+    manifest = {
+        "format": FORMAT,
+        "sha256": hashlib.sha256(buffer.getvalue()).hexdigest(),
+        "bytes": len(buffer.getvalue()),
+        "target": target.name,
+        "tokenizer_fingerprint": tokenizer_fingerprint(target),
+        "conversations": len(records),
+        "tokens": int(ids.numel()),
+        "supervised_tokens": int(sum(int(e.loss_mask.sum()) for e in examples)),
+        "sources": dict(sorted(sources.items())),
+        "max_length": max_length,
+        "regeneration_settings": json.loads(settings.read_text()) if settings.exists() else None,
+        "disjoint_from_evaluation_sets": "8-gram check passed (training.prompts.check_disjoint)",
+        "packed_with": " ".join(["specdecode", *sys.argv[1:]]),
+    }
+    manifest_path(out).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def load_packed(target: Target, path: str | Path, max_length: int) -> list[Example]:
+    """The examples of a packed file, after checking its hash and that it was made for this tokenizer."""
+    path = Path(path)
+    manifest_file = manifest_path(path)
+    if not manifest_file.exists():
+        raise SpecDecodeError(f"{path} has no manifest {manifest_file.name} beside it; pack it again")
+    manifest = json.loads(manifest_file.read_text())
+    if manifest.get("format") != FORMAT:
+        raise SpecDecodeError(f"{manifest_file} is not a {FORMAT} manifest")
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+        raise SpecDecodeError(f"{path} does not match the sha256 in {manifest_file.name}: the file is damaged")
+    if manifest["tokenizer_fingerprint"] != tokenizer_fingerprint(target):
+        raise SpecDecodeError(
+            f"{path} holds token ids of {manifest['target']}'s tokenizer, not {target.name}'s; "
+            "regenerate the data with this target"
+        )
+    arrays = np.load(io.BytesIO(data))
+    tokens = torch.from_numpy(arrays["tokens"].astype(np.int64))
+    spans = torch.from_numpy(arrays["spans"].astype(np.int64))
+    examples, start, first_span = [], 0, 0
+    for conversation, length, count in zip(
+        arrays["ids"].tolist(), arrays["lengths"].tolist(), arrays["span_counts"].tolist(), strict=True
+    ):
+        mask = torch.zeros(length, dtype=torch.bool)
+        for a, b in spans[first_span : first_span + count].tolist():
+            mask[a:b] = True
+        examples.append(Example(conversation, tokens[start : start + length][:max_length], mask[:max_length]))
+        start, first_span = start + length, first_span + count
+    return examples
