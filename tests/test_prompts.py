@@ -12,7 +12,9 @@ from specdecode.evaluation.benchmarks import BENCHMARK_WHEELS, load_benchmark, l
 from specdecode.training.prompts import (
     Conversation,
     build_prompt_mix,
+    chat_pool,
     check_disjoint,
+    code_pool,
     load_jsonl_conversations,
     overlap_report,
 )
@@ -190,3 +192,15 @@ def test_check_fails_on_a_humaneval_prompt(default_mix: list[Conversation]) -> N
     short = [Conversation("chat-short", "chat", ["Can you parallelize it?"])]  # an MT-Bench turn under 8 words
     with pytest.raises(SpecDecodeError, match="mt-bench"):
         check_disjoint(short)
+
+
+def test_pools_hold_twenty_thousand_disjoint_conversations_with_stable_ids() -> None:
+    """The outside sources (CodeI/O tasks, HotpotQA questions) come after the older pools, so every id a
+    smaller mix used names the same prompt in a larger one; they drop what overlaps an evaluation set."""
+    code, chat = code_pool(), chat_pool()
+    assert len(code) == 5104 + 3203 and len(chat) == 5569 + 7405
+    assert "main_solution" not in code[5103].turns[0] and "main_solution" in code[5104].turns[0]
+    small, large = build_prompt_mix(3000), build_prompt_mix(20_000)
+    by_id = {c.id: c.turns for c in large}
+    assert all(by_id[c.id] == c.turns for c in small)
+    check_disjoint(code[5112:] + chat[5569:])

