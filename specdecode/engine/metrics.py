@@ -1,47 +1,24 @@
-"""What the serving engine measures, and its Prometheus text form (`/metrics`).
+"""What the serving engine measures, exposed through `prometheus_client` (`/metrics`).
 
-Written by the engine thread, read by the server; every update and the rendering hold one lock, so a scrape
-never sees a half-recorded round.
+Names follow vLLM's where vLLM has the metric, with our prefix in place of `vllm:`: requests, prompt and
+generation tokens, time to first token, inter-token latency, and the speculative-decoding counters
+`spec_decode_num_drafts` / `num_draft_tokens` / `num_accepted_tokens` / `num_accepted_tokens_per_pos`
+(position 0 is the first draft). Written by the engine thread, read by the server; every update and each
+scrape hold one lock, so a scrape never sees a half-recorded round.
 """
 
-import bisect
 import threading
-from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "specdecode:"
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-@dataclass
-class Histogram:
-    """Cumulative-bucket histogram, as Prometheus expects."""
-
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    observations: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        i = bisect.bisect_left(self.buckets, value)
-        if i < len(self.counts):
-            self.counts[i] += 1
-        self.total += value
-        self.observations += 1
-
-    def lines(self, name: str) -> list[str]:
-        out, running = [], 0
-        for bound, count in zip(self.buckets, self.counts, strict=True):
-            running += count
-            out.append(f'{name}_bucket{{le="{bound:g}"}} {running}')
-        out += [f'{name}_bucket{{le="+Inf"}} {self.observations}', f"{name}_sum {round(self.total, 6)}"]
-        return out + [f"{name}_count {self.observations}"]
-
-
 class EngineMetrics:
-    """Counters and histograms of one engine since it started."""
+    """Counters and histograms of one engine since it started, in a registry of its own."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -49,21 +26,36 @@ class EngineMetrics:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.rounds = 0  # request-rounds: one per request per verify pass
+        self.drafts = 0  # request-rounds that verified at least one draft
+        self.draft_tokens = 0  # drafts verified
         self.accepted_tokens = 0  # sum of accepted lengths (drafts kept + the target's own token)
         self.position_attempts: list[int] = []
         self.position_accepts: list[int] = []
-        self.verify_rows = Histogram(BATCH_BUCKETS)
-        self.verify_tokens = Histogram(BATCH_BUCKETS)
-        self.time_to_first_token = Histogram(LATENCY_BUCKETS_S)
-        self.inter_token_latency = Histogram(LATENCY_BUCKETS_S)
         self.queue_length = 0
         self.running = 0
         self.kv_cache_bytes = 0
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(self)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
+
+        self.verify_rows = histogram("verify_batch_requests", "Requests in a verify pass", BATCH_BUCKETS)
+        self.verify_tokens = histogram("verify_batch_tokens", "Tokens in a verify pass", BATCH_BUCKETS)
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time to first token in seconds", LATENCY_BUCKETS_S
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Inter-token latency in seconds", LATENCY_BUCKETS_S
+        )
 
     def record_round(self, verified: int, accepted: int) -> None:
         """One request's round: `verified` drafts went into the pass, `accepted` of them survived."""
         self.rounds += 1
         self.accepted_tokens += accepted + 1
+        if verified:
+            self.drafts += 1
+            self.draft_tokens += verified
         missing = verified - len(self.position_attempts)
         if missing > 0:
             self.position_attempts += [0] * missing
@@ -72,36 +64,40 @@ class EngineMetrics:
             self.position_attempts[j] += 1
             self.position_accepts[j] += int(j < accepted)
 
-    def render(self) -> str:
-        """Prometheus text exposition format (version 0.0.4)."""
+    def collect(self):
+        """The counters and gauges as metric families (prometheus_client calls this on every scrape)."""
+
+        def counter(name: str, doc: str, value: float, labels: dict | None = None) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=list(labels or {}))
+            family.add_metric(list((labels or {}).values()), value)
+            return family
+
+        requests = CounterMetricFamily(PREFIX + "requests", "Requests by how they ended", labels=["status"])
+        for status, count in self.requests.items():
+            requests.add_metric([status], count)
+        yield requests
+        yield counter("prompt_tokens", "Prefill tokens processed", self.prompt_tokens)
+        yield counter("generation_tokens", "Generation tokens processed", self.generated_tokens)
+        yield counter("verify_rounds", "Request-rounds (one per request per verify pass)", self.rounds)
+        yield counter("spec_decode_num_drafts", "Request-rounds that verified drafts", self.drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified", self.draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", self.accepted_tokens - self.rounds)
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position", labels=["position"]
+        )
+        for j, hits in enumerate(self.position_accepts):
+            per_position.add_metric([str(j)], hits)
+        yield per_position
+        gauges = {
+            "mean_accepted_length": self.accepted_tokens / self.rounds if self.rounds else 0.0,
+            "num_requests_waiting": self.queue_length,
+            "num_requests_running": self.running,
+            "kv_cache_bytes": self.kv_cache_bytes,
+        }
+        for name, value in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, name.replace("_", " "), value=value)
+
+    def render(self) -> bytes:
+        """Prometheus text exposition format."""
         with self.lock:
-            lines = ["# TYPE specdecode_requests_total counter"]
-            lines += [f'specdecode_requests_total{{status="{k}"}} {v}' for k, v in self.requests.items()]
-            counters = {
-                "specdecode_prompt_tokens_total": self.prompt_tokens,
-                "specdecode_generation_tokens_total": self.generated_tokens,
-                "specdecode_verify_rounds_total": self.rounds,
-                "specdecode_accepted_tokens_total": self.accepted_tokens,
-            }
-            for name, value in counters.items():
-                lines += [f"# TYPE {name} counter", f"{name} {value}"]
-            gauges = {
-                "specdecode_mean_accepted_length": self.accepted_tokens / self.rounds if self.rounds else 0.0,
-                "specdecode_queue_length": self.queue_length,
-                "specdecode_running_requests": self.running,
-                "specdecode_kv_cache_bytes": self.kv_cache_bytes,
-            }
-            for name, value in gauges.items():
-                lines += [f"# TYPE {name} gauge", f"{name} {round(value, 6)}"]
-            lines.append("# TYPE specdecode_position_acceptance gauge")
-            for j, (tries, hits) in enumerate(zip(self.position_attempts, self.position_accepts, strict=True)):
-                lines.append(f'specdecode_position_acceptance{{position="{j + 1}"}} {round(hits / max(tries, 1), 6)}')
-            histograms = {
-                "specdecode_verify_batch_requests": self.verify_rows,
-                "specdecode_verify_batch_tokens": self.verify_tokens,
-                "specdecode_time_to_first_token_seconds": self.time_to_first_token,
-                "specdecode_inter_token_latency_seconds": self.inter_token_latency,
-            }
-            for name, histogram in histograms.items():
-                lines += [f"# TYPE {name} histogram", *histogram.lines(name)]
-        return "\n".join(lines) + "\n"
+            return generate_latest(self.registry)

@@ -3,11 +3,13 @@
 The engine runs in its own thread; its callbacks hand text and results to the event loop with
 `call_soon_threadsafe`, so a slow client never stalls a step. A stream whose client goes away is cancelled
 (its `finally` cancels the engine requests, which free their slots before the next step). On SIGTERM uvicorn
-stops accepting connections and lets the open ones finish; then the lifespan drains the engine.
+stops accepting connections and lets the open ones finish; then the lifespan drains the engine and the
+process exits 0.
 """
 
 import asyncio
 import json
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -15,7 +17,8 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from specdecode.engine.continuous import ContinuousEngine, RequestHandle
@@ -80,7 +83,7 @@ def create_app(engine: ContinuousEngine, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -220,5 +223,13 @@ class BackgroundServer:
 
 
 def serve(engine: ContinuousEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run the server in the foreground until SIGINT / SIGTERM, which drain the running requests."""
-    uvicorn.run(create_app(engine, model_name), host=host, port=port, log_level="info")
+    """Run the server in the foreground until SIGINT / SIGTERM, which drain the running requests.
+
+    After a graceful shutdown uvicorn re-raises the signal it caught under the handler that was there
+    before it; SIGTERM's is made a no-op here, so a drained server returns and the process exits 0 (a
+    supervisor reads a non-zero status as a crash). SIGINT keeps Python's KeyboardInterrupt."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.run(create_app(engine, model_name), host=host, port=port, log_level="info")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
