@@ -21,6 +21,13 @@ from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.evaluation.serving_bench import percentile, summarize
 from specdecode.sampling import SamplingParams
 from specdecode.serving.app import BackgroundServer, create_app
+from specdecode.serving.protocol import SUPPORTED
+from specdecode.serving.schema import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
 
 MODEL = "smollm2-135m"
 MAX_BATCH, MAX_LEN = 3, 256
@@ -271,3 +278,24 @@ def test_serving_plot_is_written(tmp_path):
     runs = [{"configuration": c, "concurrency": n, **level} for c in ("none", "dspark-prefix") for n in (1, 4)]
     plot_serving(runs, tmp_path / "serving.png")
     assert (tmp_path / "serving.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_openapi_documents_both_endpoints_and_responses_match_it(server):
+    """/openapi.json (what /docs renders) has both completion endpoints with their request schemas; the models
+    name exactly the parameters the validator accepts, and real responses validate against them."""
+    code, text = _raw(server, "GET", "/openapi.json")
+    assert code == 200
+    document = json.loads(text)
+    schemas = document["components"]["schemas"]
+    for path, request, kind in (
+        ("/v1/completions", CompletionRequest, "completions"),
+        ("/v1/chat/completions", ChatCompletionRequest, "chat"),
+    ):
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{request.__name__}"}
+        assert set(schemas[request.__name__]["properties"]) == SUPPORTED[kind]
+    assert _raw(server, "GET", "/docs")[0] == 200
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "n": 2})
+    CompletionResponse.model_validate_json(_raw(server, "POST", "/v1/completions", body)[1])
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    ChatCompletionResponse.model_validate_json(_raw(server, "POST", "/v1/chat/completions", body)[1])

@@ -50,18 +50,24 @@ class EngineConfig:
 
 
 class RequestHandle:
-    """The caller's side of a request. `on_text(delta)` and `on_done(completion or error)` run on the engine
-    thread, so they must return quickly (the server hands them to its event loop)."""
+    """The caller's side of a request. `on_text(delta)`, `on_round(round)` and `on_done(completion or error)`
+    run on the engine thread, so they must return quickly (the server hands them to its event loop).
+
+    A round is {"accepted": drafts kept, "spans": [[end, source], ...]}: the round's tokens as character
+    offsets into the completion's text (decoded so far, before stop strings are cut) and where each came
+    from, source j >= 1 for the draft accepted at position j and 0 for the target's own token."""
 
     def __init__(
         self,
         request_id: int,
         on_text: Callable[[str], None] | None,
         on_done: Callable[[Completion | Exception], None] | None,
+        on_round: Callable[[dict], None] | None = None,
     ) -> None:
         self.id = request_id
         self.on_text = on_text
         self.on_done = on_done
+        self.on_round = on_round
         self.cancelled = False
         self.submitted = time.perf_counter()
         self.time_to_first_token_s: float | None = None
@@ -98,6 +104,7 @@ class _Request:
     max_tokens: int
     stop: tuple[str, ...]
     seed: int
+    speculate: bool = True  # False: this request verifies no drafts (normal decoding inside the batch)
 
 
 @dataclass
@@ -196,14 +203,17 @@ class ContinuousEngine:
         seed: int = 0,
         on_text: Callable[[str], None] | None = None,
         on_done: Callable[[Completion | Exception], None] | None = None,
+        on_round: Callable[[dict], None] | None = None,
+        speculate: bool = True,
     ) -> RequestHandle:
         """Queue a request; it joins the running batch when a slot is free. Raises for one that can never fit."""
         self.check_fits(len(prompt_ids), max_tokens)
-        handle = RequestHandle(next(self._ids), on_text, on_done)
+        handle = RequestHandle(next(self._ids), on_text, on_done, on_round)
         with self._cond:
             if self._closing:
                 raise SpecDecodeError("the engine is shutting down and takes no new requests")
-            self._queue.append(_Request(handle, list(prompt_ids), params, max_tokens, tuple(stop), seed))
+            request = _Request(handle, list(prompt_ids), params, max_tokens, tuple(stop), seed, speculate)
+            self._queue.append(request)
             with self.metrics.lock:
                 self.metrics.queue_length = len(self._queue)
             self._cond.notify_all()
@@ -274,7 +284,10 @@ class ContinuousEngine:
             [s.drafter for s in self._running],
             [s.ids for s in self._running],
             # drafts beyond a request's limit would be wasted
-            [min(self.config.draft_length, s.request.max_tokens - s.generated - 1) for s in self._running],
+            [
+                min(self.config.draft_length, s.request.max_tokens - s.generated - 1) if s.request.speculate else 0
+                for s in self._running
+            ],
         )
         draft_s = time.perf_counter() - t0
         for s in self._running:
@@ -312,6 +325,8 @@ class ContinuousEngine:
         hit_eos = next((j for j, t in enumerate(new) if t in self.target.eos_token_ids), None)
         if hit_eos is not None:
             new = new[: hit_eos + 1]
+        if s.request.handle.on_round:
+            s.request.handle.on_round(self._round(s, new, result.num_accepted))
         s.ids += new
         s.drafter.observe(s.ids, result.num_accepted, features)
         s.stats.record_round(verified.length, result.num_accepted, verified.source)
@@ -334,6 +349,15 @@ class ContinuousEngine:
             self._finish(s, "stop" if stopped or hit_eos is not None else "length", text)
         else:
             self._emit(s, stream_safe(text, s.request.stop))
+
+    def _round(self, s: _Sequence, new: list[int], accepted: int) -> dict:
+        """Where each of a round's tokens ends in the completion's text, and whether it was a draft."""
+        generated, decode = s.ids[len(s.request.prompt_ids) :], self.target.tokenizer.decode
+        spans, end = [], len(decode(generated, skip_special_tokens=True))
+        for j in range(len(new)):
+            end = max(end, len(decode(generated + new[: j + 1], skip_special_tokens=True).rstrip("\ufffd")))
+            spans.append([end, j + 1 if j < accepted else 0])
+        return {"accepted": accepted, "spans": spans}
 
     def _emit(self, s: _Sequence, shown: str) -> None:
         if len(shown) > len(s.streamed):

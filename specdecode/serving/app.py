@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over a `ContinuousEngine`, SSE streaming, /metrics.
+"""The OpenAI-compatible HTTP server: FastAPI routes over a `ContinuousEngine`, SSE streaming, /metrics, and
+a live page at / that colors each streamed token by the draft position it was accepted at.
 
 The engine runs in its own thread; its callbacks hand text and results to the event loop with
 `call_soon_threadsafe`, so a slow client never stalls a step. A stream whose client goes away is cancelled
@@ -14,10 +15,12 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
@@ -35,6 +38,16 @@ from specdecode.serving.protocol import (
     spec_decode_stats,
     usage,
 )
+from specdecode.serving.schema import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    add_request_schemas,
+    request_body,
+)
+
+PAGE = Path(__file__).with_name("static") / "index.html"  # the live page served at /
 
 
 def _error_response(status: int, message: str, kind: str, code: str | None = None, param: str | None = None):
@@ -70,9 +83,13 @@ def create_app(engine: ContinuousEngine, model_name: str) -> FastAPI:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return _error_response(error.status_code, str(error.detail), kind)
 
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name}
+        return {"status": "ok", "model": model_name, "drafter": engine.drafter.name}
 
     @app.get("/v1/models")
     async def models():
@@ -85,13 +102,29 @@ def create_app(engine: ContinuousEngine, model_name: str) -> FastAPI:
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        openapi_extra=request_body(CompletionRequest),
+        responses={200: {"model": CompletionResponse, "description": "the completion (or an SSE stream of chunks)"}},
+    )
     async def completions(request: Request):
         return await _generate(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=request_body(ChatCompletionRequest),
+        responses={200: {"model": ChatCompletionResponse, "description": "the reply (or an SSE stream of chunks)"}},
+    )
     async def chat_completions(request: Request):
         return await _generate(request, chat=True)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = add_request_schemas(document, (CompletionRequest, ChatCompletionRequest))
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     async def _generate(request: Request, chat: bool):
         try:
@@ -126,6 +159,8 @@ def create_app(engine: ContinuousEngine, model_name: str) -> FastAPI:
                         seed,
                         on_text=lambda text, i=i: post((i, text)),
                         on_done=lambda outcome, i=i: post((i, outcome)),
+                        on_round=(lambda info, i=i: post((i, info))) if req.stream else None,
+                        speculate=req.speculate,
                     )
                 )
         except SpecDecodeError:
@@ -162,19 +197,25 @@ def create_app(engine: ContinuousEngine, model_name: str) -> FastAPI:
     ) -> AsyncIterator[str]:
         rid, first = response_id(chat), [True] * len(handles)
         done: dict[int, Completion] = {}
+        rounds: dict[int, list[dict]] = {i: [] for i in range(len(handles))}  # not yet sent with a chunk
         try:
             while len(done) < len(handles):
                 i, item = await events.get()
                 if isinstance(item, Exception):
                     yield _sse({"error": {"message": f"generation failed: {item}", "type": "server_error"}})
                     return
-                if isinstance(item, str):
-                    yield _sse(envelope(chat, rid, model_name, [chunk_choice(chat, i, item, None, first[i])], True))
-                    first[i] = False
+                if isinstance(item, dict):
+                    rounds[i].append(item)
+                    continue
+                if isinstance(item, str):  # the rounds that made this text travel with it
+                    spec = {"index": i, "round_spans": rounds[i]}
+                    chunk = [chunk_choice(chat, i, item, None, first[i])]
+                    yield _sse(envelope(chat, rid, model_name, chunk, True, spec_decode=spec))
+                    first[i], rounds[i] = False, []
                     continue
                 done[i] = item
                 last = chunk_choice(chat, i, None, item.finish_reason, first[i])
-                stats = spec_decode_stats(item, i, handles[i].time_to_first_token_s)
+                stats = spec_decode_stats(item, i, handles[i].time_to_first_token_s) | {"round_spans": rounds[i]}
                 yield _sse(envelope(chat, rid, model_name, [last], True, spec_decode=stats))
             if req.include_usage:
                 completions = [done[i] for i in range(len(handles))]

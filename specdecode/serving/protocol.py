@@ -19,6 +19,7 @@ MAX_CHOICES = 16
 MAX_STOP_STRINGS = 4
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user"}
+_COMMON |= {"speculative"}  # ours: false decodes this request without drafts (to compare speeds)
 SUPPORTED = {"completions": _COMMON | {"prompt"}, "chat": _COMMON | {"messages", "max_completion_tokens"}}
 _ROLES = ("system", "user", "assistant")
 
@@ -46,6 +47,7 @@ class GenerationRequest:
     seeds: list[int]
     stream: bool
     include_usage: bool
+    speculate: bool = True
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -146,7 +148,11 @@ def parse_request(body: object, chat: bool, target: Target, model_name: str, max
     options = body.get("stream_options", {})
     if not isinstance(stream, bool) or not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise ApiError("'stream' must be a boolean and 'stream_options' at most {include_usage}", param="stream")
+    speculate = body.get("speculative", True)
+    if not isinstance(speculate, bool):
+        raise ApiError(f"'speculative' must be a boolean, got {speculate!r}", param="speculative")
     return GenerationRequest(
+        speculate=speculate,
         prompt_ids=prompt_ids,
         params=params,
         max_tokens=max_tokens,
