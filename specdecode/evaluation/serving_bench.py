@@ -67,8 +67,8 @@ async def _one_request(client, model: str, prompt: str, max_tokens: int) -> Requ
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             timing.chunks.append(time.perf_counter())
-        stats = (chunk.model_extra or {}).get("spec_decode")
-        if stats:
+        stats = (chunk.model_extra or {}).get("spec_decode") or {}
+        if "mean_accepted_length" in stats:  # the choice's last chunk (text chunks carry only round spans)
             rounds, accepted = stats["rounds"], stats["mean_accepted_length"]
         if chunk.usage is not None:
             timing.tokens = chunk.usage.completion_tokens
@@ -80,7 +80,8 @@ async def _one_request(client, model: str, prompt: str, max_tokens: int) -> Requ
 async def run_level(
     url: str, model: str, prompts: list[str], clients: int, requests: int, max_tokens: int, time_limit_s: float
 ) -> dict:
-    """`clients` concurrent clients share a budget of `requests` requests and `time_limit_s` seconds."""
+    """`clients` concurrent clients share a budget of `requests` requests (the first of `prompts`) and
+    `time_limit_s` seconds."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
@@ -130,13 +131,14 @@ def summarize(timings: list[RequestTiming], wall_s: float, clients: int) -> dict
 
 
 def _configurations(target: Target, drafter_spec: str | None) -> list[tuple[str, Drafter, str]]:
-    """(label, drafter, scheduler): normal decoding, then the drafter fixed, then with the prefix scheduler."""
+    """(label, drafter, scheduler): normal decoding, then the drafter fixed, then with the prefix scheduler;
+    each configuration gets a drafter of its own (nothing learned in one run carries into the next)."""
     configs = [("none", Drafter(), "fixed")]
     if drafter_spec:
         drafter = build_drafter(drafter_spec, target)
         configs.append((f"{drafter.name}-fixed", drafter, "fixed"))
         if has_confidences(drafter):
-            configs.append((f"{drafter.name}-prefix", drafter, "prefix"))
+            configs.append((f"{drafter.name}-prefix", build_drafter(drafter_spec, target), "prefix"))
     return configs
 
 
@@ -204,14 +206,20 @@ def run_serving_bench(
     if min(concurrencies) < 1 or requests < 1 or max_tokens < 1 or time_limit_s <= 0:
         raise SpecDecodeError("concurrency levels, requests, max_tokens and the time limit must all be positive")
     prompts = [item.turns[0] for item in load_benchmark(benchmark)]
+
+    def level_prompts(k: int) -> list[str]:
+        """Level k's own prompts (the same for every configuration): a drafter that indexes earlier outputs
+        (suffix decoding's global index) must not be handed answers it has already seen."""
+        return [prompts[(k * requests + i) % len(prompts)] for i in range(requests)]
+
     runs = []
     for label, drafter, scheduler in _configurations(target, drafter_spec):
         config = EngineConfig(max(concurrencies), max_len, draft_length if label != "none" else 0, scheduler)
         engine = ContinuousEngine(target, drafter, config)
         with BackgroundServer(create_app(engine, target.name)) as server:
-            for clients in concurrencies:
+            for k, clients in enumerate(concurrencies):
                 level = asyncio.run(
-                    run_level(server.url, target.name, prompts, clients, requests, max_tokens, time_limit_s)
+                    run_level(server.url, target.name, level_prompts(k), clients, requests, max_tokens, time_limit_s)
                 )
                 runs.append(
                     {
@@ -238,9 +246,9 @@ def run_serving_bench(
             skipped[label] = str(e)
             continue
         with server:
-            for clients in concurrencies:
+            for k, clients in enumerate(concurrencies):
                 level = asyncio.run(
-                    run_level(server.url, target.name, prompts, clients, requests, max_tokens, time_limit_s)
+                    run_level(server.url, target.name, level_prompts(k), clients, requests, max_tokens, time_limit_s)
                 )
                 runs.append(
                     {
