@@ -1,7 +1,6 @@
 """Suffix decoding and the hybrid proposer: the index counts exactly, proposals follow the evidence, and
 decoding with either stays lossless (exact at temperature 0, the target's distribution at temperature 1)."""
 
-import itertools
 import random
 from collections import Counter
 
@@ -26,6 +25,7 @@ from tests.test_lossless import exact_two_token_distribution
 from tests.test_verify import chi_square_pvalue
 
 GREEDY = SamplingParams()
+EQUAL_COSTS = (1.0, 1.0)  # rounds with and without the model cost alike: choices follow the expectations alone
 
 
 def occurrences(stream: list[int], pattern: list[int]) -> int:
@@ -114,12 +114,6 @@ def test_global_index_serves_later_requests_and_stays_bounded():
     assert other.propose([3, 4, 20, 21, 22], 4).length == 0  # `answer` was evicted, oldest first
 
 
-def steady_clock():
-    """Every call one second later: each round takes the same time, so the hybrid's choices (and these
-    tests) do not depend on the machine."""
-    return itertools.count().__next__
-
-
 def copy_of(drafter):
     import copy
 
@@ -132,7 +126,7 @@ def test_hybrid_lets_the_suffix_win_on_copies_and_the_model_elsewhere():
     target = tiny_target(vocab_size=32, seed=3)
     model = _tiny_dspark(target)
     target.set_capture_layers(model.target_layer_ids)
-    hybrid = HybridDrafter(model, SuffixDrafter(SuffixSettings(global_capacity=0)), clock=steady_clock())
+    hybrid = HybridDrafter(model, SuffixDrafter(SuffixSettings(global_capacity=0)), costs=EQUAL_COSTS)
     prompt = [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5, 6, 7, 8, 9, 10, 3, 4]
     reference = _normal_greedy(target, prompt, 30)
     got = SpeculativeDecoder(target, hybrid, draft_length=4).generate(prompt, GREEDY, max_new_tokens=30)[0]
@@ -147,7 +141,7 @@ def test_hybrid_in_the_continuous_engine_matches_normal_decoding():
     target.set_capture_layers(model.target_layer_ids)
     prompts = [[3, 4, 5, 3, 4, 5, 3], [7, 8], [9, 9, 9, 9], [3, 4, 5, 6, 3, 4]]
     references = [_normal_greedy(target, p, 12) for p in prompts]
-    hybrid = HybridDrafter(model, clock=steady_clock())
+    hybrid = HybridDrafter(model, costs=EQUAL_COSTS)
     engine = ContinuousEngine(target, hybrid, EngineConfig(max_batch=3, max_len=40, draft_length=4))
     engine.start()
     try:
@@ -171,7 +165,7 @@ def test_sampling_matches_target_distribution(kind, tmp_path):
         tiny_llama(vocab_size=12, seed=1).save_pretrained(tmp_path)
         # both parts learn as the samples go (the suffix's confidences, the model's drafts kept per round),
         # and the lead changes hands: about 2 rounds in 3 are the suffix's, 1 in 3 the model's
-        drafter = HybridDrafter(DraftModelDrafter(target, str(tmp_path)), suffix, model_prior=0.5, clock=steady_clock())
+        drafter = HybridDrafter(DraftModelDrafter(target, str(tmp_path)), suffix, model_prior=0.5, costs=EQUAL_COSTS)
     else:
         drafter = suffix
     params = SamplingParams(temperature=1.0)

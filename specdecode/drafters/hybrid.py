@@ -4,27 +4,33 @@ and no drafts at all where neither pays.
 Each round the suffix drafter proposes first (a lookup, microseconds) with its expected number of
 surviving drafts (from its learned confidences). The model drafter is asked only when that looks like the
 faster round: tokens per second are estimated for both kinds of round as (1 + drafts expected to survive)
-/ (a round's measured wall time, drafting and verification), the model's drafts per round taken from its
-recent rounds in this request. On copy-heavy text the suffix wins and the model's drafting pass is saved;
-where the model's drafts do not pay for their drafting time, rounds go without it (the suffix's proposal,
-often nothing: normal decoding). The model drafts again after `EXPLORE_EVERY` rounds without it, so its
-estimate stays current. Both parts observe every round, so each stays in step with the committed text.
+/ (the round's cost), the model's drafts per round taken from its recent rounds in this request. The
+costs of a round with and without the model's drafting are measured once per machine, target and drafter
+and cached on disk (like the SPS(B) table), not timed as rounds go: a choice that followed the clock would
+make a seeded sampling run give other tokens on every rerun. On copy-heavy text the suffix wins and the
+model's drafting pass is saved; where the model's drafts do not pay for their drafting time, rounds go
+without it (the suffix's proposal, often nothing: normal decoding). The model drafts again after
+`EXPLORE_EVERY` rounds without it, so its estimate stays current. Both parts observe every round, so each
+stays in step with the committed text.
 
-Lossless at any temperature: the choice depends only on the context, on earlier rounds and on the clock,
-never on the model's drafts of this round, so whichever proposal is verified was drawn from the q it
-carries (choosing a sampled chain by its own tokens would bias the output, as a retrospective scheduler
-does).
+Lossless at any temperature: the choice depends only on the context and on earlier rounds, never on the
+model's drafts of this round, so whichever proposal is verified was drawn from the q it carries (choosing a
+sampled chain by its own tokens would bias the output, as a retrospective scheduler does).
 """
 
 import copy
+import json
+import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
 from specdecode.drafters.suffix import SuffixDrafter, expected_accepted
+from specdecode.engine.sps import table_path
+from specdecode.evaluation.results import machine_info
+from specdecode.models.linear import stable_digest
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
@@ -34,19 +40,60 @@ EXPLORE_EVERY = 16  # rounds without the model before it drafts once more
 
 @dataclass
 class SharedEstimates:
-    """What every request of a drafter learns together: a round's wall time with and without the model
-    drafting (they run on the same machine), the model's drafts kept per round (a new request starts from
-    it, then follows its own text), and the rounds since the model last drafted."""
+    """What every request of a drafter shares: the seconds of a round with and without the model drafting,
+    the model's drafts kept per round (a new request starts from it, then follows its own text), and the
+    rounds since the model last drafted."""
 
     model_s: float | None = None
     light_s: float | None = None
     model_kept: float = 1.0
     without_model: int = 0
 
-    def update_time(self, model: bool, seconds: float) -> None:
-        name = "model_s" if model else "light_s"
-        old = getattr(self, name)
-        setattr(self, name, seconds if old is None else DECAY * old + (1 - DECAY) * seconds)
+
+def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 5) -> tuple[float, float]:
+    """Median seconds of a round without and with the model's drafting (a verify pass over 4 / 8 positions
+    after `context` tokens; plus drafting 7 tokens), measured once and cached per machine, target and
+    drafter under `$XDG_CACHE_HOME/specdecode/sps/`."""
+    config = getattr(model, "config", None)
+    identity = config.to_dict() if hasattr(config, "to_dict") else model.name
+    key = {
+        "target": target.name,
+        "kernel": target.kernel,
+        "dtype": str(target.dtype),
+        "hybrid_round_costs": stable_digest([model.name, identity]),
+        "context": context,
+        "machine": machine_info(),
+    }
+    path = table_path(key)
+    if path.exists():
+        try:
+            cached = json.loads(path.read_text())
+            return cached["light_s"], cached["model_s"]
+        except (json.JSONDecodeError, KeyError):
+            pass  # a damaged entry is measured again
+    ids = [(7 * i) % target.config.vocab_size for i in range(context)]
+    target.set_capture_layers(model.target_layer_ids)
+    target.reset()
+    prefill = target.forward(torch.tensor(ids[:-1]), logits=False)
+    features = TargetFeatures(prefill.layer_hidden, prefill.last_hidden)
+    light, drafting = [], []
+    for rep in range(reps + 1):  # the first is a warm-up
+        drafter = copy.copy(model)
+        drafter.begin(ids, SamplingParams(), torch.Generator().manual_seed(rep), features)
+        start = time.perf_counter()
+        drafter.propose(ids, 7)
+        drafted = time.perf_counter()
+        target.forward(torch.tensor(ids[-4:]))
+        verified = time.perf_counter()
+        target.rollback(context - 1)
+        if rep:
+            drafting.append(drafted - start)
+            light.append(verified - drafted)
+    target.reset()
+    light_s = statistics.median(light)
+    model_s = light_s + statistics.median(drafting)
+    path.write_text(json.dumps({"key": key, "light_s": light_s, "model_s": model_s}, indent=1) + "\n")
+    return light_s, model_s
 
 
 class HybridDrafter(Drafter):
@@ -55,19 +102,23 @@ class HybridDrafter(Drafter):
         model: Drafter,
         suffix: SuffixDrafter | None = None,
         model_prior: float = 1.0,
-        clock: Callable[[], float] = time.perf_counter,
+        costs: tuple[float, float] | None = None,
     ) -> None:
-        """`model_prior`: drafts per round credited to the model before it has drafted;
-        `clock`: where round times come from (tests pass a deterministic one)."""
+        """`model_prior`: drafts per round credited to the model before it has drafted; `costs`: seconds of a
+        round without and with the model's drafting (measured on the target when not given)."""
         self.model, self.suffix = model, suffix or SuffixDrafter()
         self.name = f"suffix+{model.name}"
         self.target_layer_ids = list(model.target_layer_ids)
         self.has_confidences = model.has_confidences
-        self.shared, self.clock = SharedEstimates(model_kept=model_prior), clock
+        self.shared = SharedEstimates(model_kept=model_prior)
+        if costs is not None:
+            self.shared.light_s, self.shared.model_s = costs
         self._owner: HybridDrafter | None = None  # the instance whose request the parts' state belongs to
 
     def check_target(self, target: Target) -> None:
         self.model.check_target(target)
+        if self.shared.model_s is None:
+            self.shared.light_s, self.shared.model_s = round_costs(target, self.model)
 
     def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:
         if self._owner is not self:  # a per-request shallow copy (the continuous engine): parts of its own
@@ -77,15 +128,12 @@ class HybridDrafter(Drafter):
         self.suffix.begin(prompt_ids, params, generator, features)
         self.model_kept = self.shared.model_kept
         self.model_pending: tuple[int, list[int]] | None = None
-        self.round_start = 0.0
 
     def _wants_model(self, suffix_expected: float) -> bool:
         """Whether a round with the model's drafts is expected to give more tokens per second."""
         shared = self.shared
-        if shared.model_s is None or shared.without_model >= EXPLORE_EVERY:
+        if shared.without_model >= EXPLORE_EVERY:
             return True
-        if shared.light_s is None:
-            return False
         return (1 + self.model_kept) / shared.model_s > (1 + suffix_expected) / shared.light_s
 
     def propose(self, ids: list[int], max_tokens: int) -> Proposal:
@@ -96,7 +144,7 @@ class HybridDrafter(Drafter):
         """Suffix proposals for every request; one batched model call for the requests that want the model."""
         proposals, wanted = [], []
         for r, (d, context, n) in enumerate(zip(drafters, ids, max_tokens, strict=True)):
-            d.round_start, d.model_pending = d.clock(), None
+            d.model_pending = None
             proposal = d.suffix.propose(context, n) if n > 0 else EMPTY_PROPOSAL
             proposals.append(proposal)
             if n > 0 and d._wants_model(expected_accepted(proposal.confidences) if proposal.length else 0.0):
@@ -115,7 +163,6 @@ class HybridDrafter(Drafter):
         self.model.observe(ids, num_accepted, features)
         self.suffix.observe(ids, num_accepted, features)
         shared, drafted = self.shared, self.model_pending is not None
-        shared.update_time(drafted, self.clock() - self.round_start)
         shared.without_model = 0 if drafted else shared.without_model + 1
         if drafted:  # how far the target agreed with the model's drafts
             position, tokens = self.model_pending
