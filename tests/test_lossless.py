@@ -43,8 +43,10 @@ def test_normal_decoding_matches_transformers_generate(smollm2, greedy_reference
     assert out[0, ids.shape[1] :].tolist() == greedy_references[prompt]
 
 
-@pytest.mark.parametrize("drafter_name", ["ngram", "suffix", "default", "draft-model"])
-@pytest.mark.parametrize("draft_length", [4, 8])
+@pytest.mark.parametrize(
+    ("drafter_name", "draft_length"),
+    [("ngram", 4), ("ngram", 8), ("suffix", 8), ("default", 8), ("draft-model", 4)],
+)
 def test_greedy_speculative_equals_normal_greedy(smollm2, greedy_references, drafter_name, draft_length):
     """Temperature 0, real target, 128 new tokens, several prompts: token-identical to normal decoding."""
     decoder = SpeculativeDecoder(smollm2, build_drafter(drafter_name, smollm2), draft_length=draft_length)
