@@ -55,8 +55,8 @@ class DevTools:
 
 def browser_executable() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome"):
-        if shutil.which(name):
-            return shutil.which(name)
+        if path := shutil.which(name):
+            return path
     pytest.fail("no Chromium found: install Debian's chromium package (.ci/run does this)")
 
 

@@ -1,6 +1,7 @@
 """Suffix decoding and the hybrid proposer: the index counts exactly, proposals follow the evidence, and
 decoding with either stays lossless (exact at temperature 0, the target's distribution at temperature 1)."""
 
+import copy
 import random
 from collections import Counter
 
@@ -101,7 +102,7 @@ def test_global_index_serves_later_requests_and_stays_bounded():
     answer = [20, 21, 22, 23, 24, 25, 26, 27]
     drafter.begin([1, 2], GREEDY, torch.Generator(), None)
     drafter.end([1, 2, *answer])  # an earlier request wrote `answer`
-    other = copy_of(drafter)  # the engine's per-request copy shares the index
+    other = copy.copy(drafter)  # the engine's per-request copy shares the index
     other.begin([3, 4, 20, 21, 22], GREEDY, torch.Generator(), None)
     assert other.propose([3, 4, 20, 21, 22], 4).tokens.tolist() == [23, 24, 25, 26]
     index = drafter.shared
@@ -112,12 +113,6 @@ def test_global_index_serves_later_requests_and_stays_bounded():
     assert isinstance(index, GlobalSuffixIndex)
     other.begin([3, 4, 20, 21, 22], GREEDY, torch.Generator(), None)
     assert other.propose([3, 4, 20, 21, 22], 4).length == 0  # `answer` was evicted, oldest first
-
-
-def copy_of(drafter):
-    import copy
-
-    return copy.copy(drafter)
 
 
 def test_hybrid_lets_the_suffix_win_on_copies_and_the_model_elsewhere():

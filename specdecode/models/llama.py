@@ -120,6 +120,13 @@ class Rows:
         self.write_slot = self.slot_index[:, None].expand(R, Q)[real]
         self.write_entry = (torch.tensor(self.starts)[:, None] + torch.arange(Q))[real]
 
+    def grouped_limits(self, group: int) -> torch.Tensor:
+        """`limits` for `group` query heads per kv head, query (g, i) seeing what position i sees; built once
+        per pass, not once per layer."""
+        if getattr(self, "_grouped", None) is None or self._grouped[0] != group:
+            self._grouped = (group, self.limits.repeat(1, group))
+        return self._grouped[1]
+
     def to(self, device: torch.device) -> "Rows":
         """The same rows with their index tensors on `device` (a no-op on the CPU)."""
         for name in ("positions", "mask", "limits", "slot_index", "real", "write_slot", "write_entry"):
@@ -277,9 +284,8 @@ class LlamaRunner:
             R, H, Q, D = q.shape
             group = H // self.kv_heads  # query heads sharing one kv head read its entries once
             grouped = q.reshape(R, self.kv_heads, group * Q, D)
-            limits = rows.limits.repeat(1, group)  # query (g, i) of row r sees what position i sees
             out = torch.ops.specdecode.cached_attention(
-                grouped, cache.keys[layer], cache.values[layer], rows.slot_index, limits, D**-0.5
+                grouped, cache.keys[layer], cache.values[layer], rows.slot_index, rows.grouped_limits(group), D**-0.5
             )
             return out.view(R, H, Q, D)
         k, v = cache.read(layer, rows)
