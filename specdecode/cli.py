@@ -160,7 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--grad-accum", type=int, default=1)
     t.add_argument("--max-length", type=int, default=1024)
     t.add_argument("--layers", type=int, default=2, help="draft decoder layers")
-    t.add_argument("--block-size", type=int, default=7, help="draft tokens per round")
+    t.add_argument("--block-size", type=int, default=7, help="block inputs per round: anchor + masks")
+    t.add_argument(
+        "--fill-in",
+        action="store_true",
+        help="the original DFlash layout (vLLM's dflash method): only the block-size - 1 mask slots predict; "
+        "default: the anchor predicts too (DSpark's layout), block-size drafts",
+    )
     t.add_argument("--markov-rank", type=int, default=64)
     t.add_argument("--markov-head", default="vanilla", choices=["vanilla", "gated", "rnn"])
     t.add_argument("--anchors", type=int, default=32, help="blocks (EAGLE-3: unrolled indices) trained per sequence")
@@ -280,12 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("destination", help="the new folder (replaced if it exists)")
     ex.add_argument(
         "--format",
-        choices=("specdecode", "eagle3"),
+        choices=("specdecode", "eagle3", "dflash", "dspark"),
         default="specdecode",
         help="specdecode: our checkpoint, loadable by --drafter; eagle3: the LlamaForCausalLMEagle3 folder "
-        "that vLLM (method eagle3), SGLang and SpecForge load (EAGLE-3 drafters only)",
+        "that vLLM (method eagle3), SGLang and SpecForge load (EAGLE-3 drafters only); dflash / dspark: the "
+        "DFlashDraftModel / Qwen3DSparkModel folder vLLM loads with method dflash / dspark (also --drafter)",
     )
-    ex.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: bfloat16; eagle3: float32)")
+    ex.add_argument(
+        "--dtype", default=None, help="bfloat16 | float16 | float32 (default: bfloat16; engine formats: float32)"
+    )
 
     m = sub.add_parser("models", help="list or install the offline targets")
     msub = m.add_subparsers(dest="models", required=True, parser_class=_Parser)
@@ -594,6 +603,7 @@ def cmd_train(args) -> None:
             "markov_rank": args.markov_rank,
             "markov_head_type": args.markov_head,
             "num_anchors": args.anchors,
+            "sample_from_anchor": not args.fill_in,
         }
     architecture["target_layer_ids"] = _layer_ids(args.target_layers)
     path = run_training(
@@ -660,12 +670,24 @@ def cmd_calibrate(args) -> None:
 
 
 def cmd_export(args) -> None:
+    from specdecode.drafters.block_export import export_block
+    from specdecode.drafters.checkpoint import read_config
     from specdecode.drafters.eagle3_export import export_eagle3
-    from specdecode.drafters.shipped import export_drafter
+    from specdecode.drafters.shipped import EXPORT_DTYPES, export_drafter
 
+    if args.dtype is not None and args.dtype not in EXPORT_DTYPES:
+        raise SpecDecodeError(f"unknown export dtype '{args.dtype}'; choose one of {', '.join(EXPORT_DTYPES)}")
     if args.format == "eagle3":
         dtype = args.dtype or "float32"
         out = export_eagle3(args.source, args.destination, dtype)
+    elif args.format in ("dflash", "dspark"):
+        config = read_config(args.source)
+        if config["kind"] not in ("dflash", "dspark"):
+            raise SpecDecodeError(
+                f"--format {args.format} exports block drafters; {args.source} is a {config['kind']} drafter"
+            )
+        dtype = args.dtype or "float32"
+        out = export_block(config, args.source, args.destination, args.format, dtype, None)
     else:
         dtype = args.dtype or "bfloat16"
         out = export_drafter(args.source, args.destination, dtype)

@@ -20,7 +20,7 @@ from tests.test_verify import chi_square_pvalue
 LAYERS = [-1, 0]
 
 
-def make_model(target, markov_rank=8, head="vanilla", seed=0) -> DSparkModel:
+def make_model(target, markov_rank=8, head="vanilla", seed=0, fill_in=False, qk_norm=True) -> DSparkModel:
     c = target.config
     config = DSparkConfig(
         hidden_size=c.hidden_size,
@@ -36,6 +36,8 @@ def make_model(target, markov_rank=8, head="vanilla", seed=0) -> DSparkModel:
         markov_head_type=head,
         confidence_head=markov_rank > 0,
         num_anchors=6,
+        sample_from_anchor=not fill_in,
+        qk_norm=qk_norm,
     )
     torch.manual_seed(seed)
     model = DSparkModel(config, target.model.get_input_embeddings(), target.model.get_output_embeddings())
@@ -62,11 +64,15 @@ def test_anchors_and_mask():
     assert mask[0, 0, 3, 8:].tolist() == [False, False, True, True]  # its own block only
 
 
-@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
-def test_training_matches_inference(head):
+@pytest.mark.parametrize(
+    "head,markov_rank,fill_in",
+    [("vanilla", 8, False), ("gated", 8, False), ("rnn", 8, False), ("vanilla", 0, True)],
+    ids=["vanilla", "gated", "rnn", "dflash-fill-in"],
+)
+def test_training_matches_inference(head, markov_rank, fill_in):
     """The block logits of the masked training pass equal what the drafter computes at inference."""
     target = tiny_target(vocab_size=24)
-    model = make_model(target, head=head)
+    model = make_model(target, markov_rank=markov_rank, head=head, fill_in=fill_in)
     ids = torch.randint(2, 24, (12,), generator=torch.Generator().manual_seed(1))
     out = features_of(target, ids)
     anchor = 7
@@ -76,7 +82,8 @@ def test_training_matches_inference(head):
     inputs = torch.cat([model.embed(ids[anchor : anchor + 1]), model.mask_input((g - 1,))])[None]
     kv = model.context_kv(model.context(out.layer_hidden[None]), torch.arange(12)[None])
     mask = block_attention_mask(torch.tensor([[anchor]]), torch.ones(1, 12, dtype=torch.bool), g)
-    h = model.backbone(inputs, positions, kv, mask)[0]
+    h = model.prediction_states(model.backbone(inputs, positions, kv, mask)[0])
+    assert h.shape[0] == model.config.draft_length == g - fill_in
     expected, _, _ = model.sequential(h, model.lm_head(h), ids[anchor], choose=lambda x: x.argmax(-1))
     # inference path: the committed sequence is ids[:anchor + 1], features known for ids[:anchor]
     drafter = BlockDrafter(model)
@@ -116,10 +123,12 @@ def test_batched_proposals_equal_single_ones():
             torch.testing.assert_close(got.confidences, alone.confidences)
 
 
-@pytest.mark.parametrize("markov_rank", [0, 8], ids=["dflash", "dspark"])
-def test_losses_are_finite_and_trainable(markov_rank):
+@pytest.mark.parametrize(
+    "markov_rank,fill_in", [(0, False), (0, True), (8, False)], ids=["dflash", "fill-in", "dspark"]
+)
+def test_losses_are_finite_and_trainable(markov_rank, fill_in):
     target = tiny_target(vocab_size=24)
-    model = make_model(target, markov_rank=markov_rank)
+    model = make_model(target, markov_rank=markov_rank, fill_in=fill_in)
     ids = torch.randint(2, 24, (2, 16), generator=torch.Generator().manual_seed(2))
     feats = [features_of(target, row) for row in ids]
     batch = FeatureBatch(
@@ -134,15 +143,18 @@ def test_losses_are_finite_and_trainable(markov_rank):
     out["loss"].backward()
     assert model.fc.weight.grad is not None and model.fc.weight.grad.abs().sum() > 0
     assert target.model.get_input_embeddings().weight.grad is None  # the target stays frozen
-    assert 1.0 <= float(out["simulated_accept_length"]) <= model.config.block_size + 1
+    assert 1.0 <= float(out["simulated_accept_length"]) <= model.config.draft_length + 1
+    assert f"acc_pos_{model.config.draft_length}" in out and f"acc_pos_{model.config.draft_length + 1}" not in out
     if markov_rank:
         assert "confidence_bce" in out
 
 
-@pytest.mark.parametrize("markov_rank", [0, 8], ids=["dflash", "dspark"])
-def test_greedy_decoding_is_lossless(markov_rank):
+@pytest.mark.parametrize(
+    "markov_rank,fill_in", [(0, False), (0, True), (8, False)], ids=["dflash", "fill-in", "dspark"]
+)
+def test_greedy_decoding_is_lossless(markov_rank, fill_in):
     target = tiny_target(vocab_size=24)
-    drafter = BlockDrafter(make_model(target, markov_rank=markov_rank))
+    drafter = BlockDrafter(make_model(target, markov_rank=markov_rank, fill_in=fill_in))
     prompt = [3, 4, 5, 6, 7]
     normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
     reference = normal.generate(prompt, SamplingParams(), max_new_tokens=40)[0].token_ids
@@ -172,6 +184,12 @@ def test_checkpoint_round_trip_and_target_check(tmp_path, smollm2):
     assert torch.equal(loaded.model.fc.weight, model.fc.weight)
     with pytest.raises(SpecDecodeError, match="trained for target"):
         load_drafter(tmp_path / "d", smollm2)
+    # a checkpoint from before q/k norm existed (no key in its config) loads as it was trained: without it
+    legacy = make_model(target, qk_norm=False)
+    arch = legacy.config.to_dict()
+    del arch["qk_norm"]
+    save_drafter(tmp_path / "old", "dspark", legacy, arch, target)
+    assert isinstance(load_drafter(tmp_path / "old", target).model.layers[0].q_norm, torch.nn.Identity)
     (tmp_path / "d" / "model.safetensors").write_bytes(b"junk")
     with pytest.raises(SpecDecodeError, match="cannot be read"):
         load_drafter(tmp_path / "d", target)

@@ -1,6 +1,7 @@
 """Drafters: `none` (normal decoding), `ngram`, `suffix`, `draft-model`, trained drafters loaded from a
-folder, `suffix+FOLDER` (a hybrid), and `default`: the hybrid of suffix decoding and the target's shipped
-drafter, or suffix decoding alone for a target that ships none."""
+folder (ours, or a DFlash/DSpark folder in vLLM's format), `suffix+FOLDER` (a hybrid), and `default`: the
+hybrid of suffix decoding and the target's shipped drafter, or suffix decoding alone for a target that
+ships none."""
 
 from pathlib import Path
 
@@ -39,10 +40,12 @@ def build_drafter(spec: str, target: Target, draft_model: str | None = None) -> 
         from specdecode.drafters.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(target, draft_model)
-    if Path(spec).expanduser().is_dir():
+    folder = Path(spec).expanduser()
+    if folder.is_dir():
+        from specdecode.drafters.block_export import is_engine_folder, load_engine_drafter
         from specdecode.drafters.checkpoint import load_drafter
 
-        return load_drafter(Path(spec).expanduser(), target)
+        return load_engine_drafter(folder, target) if is_engine_folder(folder) else load_drafter(folder, target)
     raise SpecDecodeError(
         f"unknown drafter '{spec}'; choose one of {', '.join(BUILTIN_DRAFTERS)}, a trained drafter's folder, "
         f"or {HYBRID_PREFIX}<one of those> for a hybrid with suffix decoding"

@@ -6,7 +6,6 @@ any calibration. A drafter only makes sense for the target whose features it lea
 against another target is refused.
 """
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -18,15 +17,7 @@ from specdecode.models.target import Target, first_line
 
 FORMAT_VERSION = 1
 LAYER_CONVENTION = "output_of_layer"  # see specdecode/models/target.py
-
-
-def target_fingerprint(target: Target) -> str:
-    """Hash of the shapes that matter and of the embedding matrix: the same target, or a mismatch."""
-    c = target.config
-    digest = hashlib.sha256()
-    digest.update(json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads]).encode())
-    digest.update(target.model.get_input_embeddings().weight.detach().float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
+LEGACY_BLOCK_DEFAULTS = {"qk_norm": False}  # what block drafters computed before a field existed
 
 
 def save_drafter(
@@ -41,7 +32,7 @@ def save_drafter(
         "format_version": FORMAT_VERSION,
         "kind": kind,
         "architecture": architecture,
-        "target": {"name": target.name, "fingerprint": target_fingerprint(target)},
+        "target": {"name": target.name, "fingerprint": target.fingerprint()},
         "target_layer_ids": architecture.get("target_layer_ids", []),
         "layer_index_convention": LAYER_CONVENTION,
         "recipe": recipe or {},
@@ -68,7 +59,7 @@ def read_config(path: str | Path) -> dict:
 
 def check_target(config: dict, target: Target, path: str | Path) -> None:
     expected = config["target"].get("fingerprint")
-    actual = target_fingerprint(target)
+    actual = target.fingerprint()
     if expected != actual:
         raise SpecDecodeError(
             f"drafter {path} was trained for target '{config['target'].get('name')}' (fingerprint {expected}), "
@@ -104,7 +95,7 @@ def load_drafter(path: str | Path, target: Target):
         from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel
 
         try:
-            arch = DSparkConfig(**config["architecture"])
+            arch = DSparkConfig(**{**LEGACY_BLOCK_DEFAULTS, **config["architecture"]})
         except TypeError as e:
             raise SpecDecodeError(f"drafter checkpoint {path} has an invalid architecture ({first_line(e)})") from e
         model = DSparkModel(arch, target.model.get_input_embeddings(), target.output_head())

@@ -1,11 +1,14 @@
 """DSpark (and DFlash, the same model with two parts switched off): a block drafter over target features.
 
-Parallel stage (the DFlash backbone): a few decoder layers shaped like the target's read a block
-[anchor, MASK x (gamma-1)] at its true positions. Every layer attends bidirectionally inside the block and
-to the committed context, whose target features (several layers' outputs, concatenated, projected by one
-linear layer and RMS-normed) enter as extra keys and values through that layer's own k/v projections.
-DSpark's change to DFlash: the anchor is itself the first prediction position, so gamma inputs give gamma
-draft logits. The target's embedding and LM head are used, frozen and shared, never stored.
+Parallel stage (the DFlash backbone): a few Qwen3-style decoder layers (q/k heads RMS-normed, as the
+engines' drafters have them) read a block [anchor, MASK x (B-1)] at its true positions. Every layer attends
+bidirectionally inside the block and to the committed context, whose target features (several layers'
+outputs, concatenated, projected by one linear layer and RMS-normed) enter as extra keys and values
+through that layer's own k/v projections. Two layouts (`sample_from_anchor`): DSpark's (also DeepSpec's
+DFlash baseline) makes the anchor the first prediction position, so B inputs give B draft logits, slot k
+predicting x_{a+k+1}; the original DFlash (z-lab, and vLLM's `dflash` method) predicts only the B-1 mask
+slots, each the token at its own position, which are the same labels one slot later. The target's
+embedding and LM head are used, frozen and shared, never stored.
 
 Sequential stage (DSpark only): a Markov head adds a low-rank bias from the previous draft token,
 B(x_{k-1}) = W2(W1[x_{k-1}]), and sampling runs left to right; the corrected distribution is the q that
@@ -38,7 +41,9 @@ class DSparkConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     num_layers: int = 2
-    block_size: int = 7  # gamma: draft tokens per round = anchor + (gamma - 1) masks
+    block_size: int = 7  # B: inputs per round = anchor + (B - 1) masks
+    sample_from_anchor: bool = True  # B drafts (anchor predicts); False: B - 1 drafts (the mask slots)
+    qk_norm: bool = True  # checkpoints made before it existed load with False
     mask_token_id: int | None = None  # None: a learned mask embedding
     markov_rank: int = 64  # 0 switches the sequential stage off (DFlash)
     markov_head_type: str = "vanilla"  # vanilla | gated | rnn
@@ -53,6 +58,11 @@ class DSparkConfig:
     @property
     def kind(self) -> str:
         return "dspark" if self.markov_rank > 0 else "dflash"
+
+    @property
+    def draft_length(self) -> int:
+        """Draft tokens per round (gamma)."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,7 +119,7 @@ class DSparkModel(nn.Module):
         n_features = len(c.target_layer_ids) * c.hidden_size
         self.fc = nn.Linear(n_features, c.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DraftLayer(c, qk_norm=c.qk_norm) for _ in range(c.num_layers))
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.rotary = Rotary(c.head_dim, c.rope_theta)
         if c.mask_token_id is None:
@@ -145,10 +155,9 @@ class DSparkModel(nn.Module):
             x = layer(x, block_positions, ctx_k, ctx_v, self.rotary, mask)
         return self.norm(x)
 
-    def training_losses(self, batch, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        from specdecode.training.block_losses import training_losses
-
-        return training_losses(self, batch, generator)
+    def prediction_states(self, h: torch.Tensor) -> torch.Tensor:
+        """The backbone states (..., B, H) of the slots that predict: all, or the mask slots only."""
+        return h if self.config.sample_from_anchor else h[..., 1:, :]
 
     def sequential(self, h: torch.Tensor, base_logits: torch.Tensor, prev: torch.Tensor, choose=None):
         """Left to right over the block: corrected logits, confidence logits and the tokens fed forward.
@@ -232,7 +241,7 @@ class BlockDrafter(Drafter):
         inputs = torch.cat([model.embed(anchors)[:, None], model.mask_input((len(rows), g - 1))], dim=1)
         positions = torch.stack([torch.arange(len(ids[r]) - 1, len(ids[r]) - 1 + g) for r in rows])
         kv, mask = _padded_context([drafters[r] for r in rows], g)
-        h = model.backbone(inputs, positions, kv, mask)
+        h = model.prediction_states(model.backbone(inputs, positions, kv, mask))
 
         drawn_from: dict[int, list[torch.Tensor]] = {r: [] for r in rows}  # q of each sampled draft
 
@@ -245,7 +254,7 @@ class BlockDrafter(Drafter):
             return tokens
 
         logits, conf, tokens = model.sequential(h, model.lm_head(h), anchors, choose=choose)
-        temps = torch.tensor(c.calibration_temperatures or [1.0] * g)
+        temps = torch.tensor(c.calibration_temperatures or [1.0] * c.draft_length)
         for i, r in enumerate(rows):
             d, n = drafters[r], max_tokens[r]
             confidences = None if conf is None else torch.sigmoid(conf[i, :n] / temps[:n])

@@ -128,11 +128,6 @@ class Eagle3Model(nn.Module):
         """Output hidden (..., H) -> logits over the draft vocabulary (..., N)."""
         return self.lm_head(self.norm(out))
 
-    def training_losses(self, batch, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        from specdecode.training.eagle3_losses import training_losses
-
-        return training_losses(self, batch, generator)
-
 
 class Eagle3Drafter(Drafter):
     """Inference: the drafter's KV cache over committed positions grows each round; draft steps' K/V are
@@ -148,15 +143,13 @@ class Eagle3Drafter(Drafter):
         self.target_layer_ids = list(model.config.target_layer_ids)
 
     def check_target(self, target: Target) -> None:
-        from specdecode.drafters.checkpoint import target_fingerprint
-
         c = self.config
         if (target.vocab_size, target.config.hidden_size) != (c.vocab_size, c.hidden_size):
             raise SpecDecodeError(
                 f"this EAGLE-3 drafter was built for vocabulary {c.vocab_size} and hidden size {c.hidden_size}, "
                 f"not {target.name}'s {target.vocab_size} and {target.config.hidden_size}"
             )
-        if self.fingerprint is not None and self.fingerprint != target_fingerprint(target):
+        if self.fingerprint is not None and self.fingerprint != target.fingerprint():
             raise SpecDecodeError(f"this EAGLE-3 drafter was trained for another target than {target.name}")
 
     def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:

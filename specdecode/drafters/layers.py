@@ -40,9 +40,12 @@ class BlockShape(Protocol):
 
 
 class DecoderBlock(nn.Module):
-    """One pre-norm Llama block's weights; q/k/v read `attention_width` features (H unless told)."""
+    """One pre-norm Llama block's weights; q/k/v read `attention_width` features (H unless told).
 
-    def __init__(self, c: BlockShape, attention_width: int | None = None) -> None:
+    With `qk_norm` (Qwen3's block, which the engines' DFlash/DSpark drafters use) every query and key head
+    is RMS-normed over its head dimension before the rotation."""
+
+    def __init__(self, c: BlockShape, attention_width: int | None = None, qk_norm: bool = False) -> None:
         super().__init__()
         self.c = c
         h, d, width = c.hidden_size, c.head_dim, attention_width or c.hidden_size
@@ -51,6 +54,8 @@ class DecoderBlock(nn.Module):
         self.k_proj = nn.Linear(width, c.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(width, c.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(c.num_heads * d, h, bias=False)
+        self.q_norm = nn.RMSNorm(d, eps=c.rms_norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(d, eps=c.rms_norm_eps) if qk_norm else nn.Identity()
         self.post_attention_layernorm = nn.RMSNorm(h, eps=c.rms_norm_eps)
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
@@ -61,11 +66,11 @@ class DecoderBlock(nn.Module):
 
     def keys_values(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, ...]:
         """Keys (rotated) and values (B, kvh, L, d) of features x (B, L, width) at positions (B, L)."""
-        k = rotary(self.heads(self.k_proj(x), self.c.num_kv_heads), positions[:, None])
+        k = rotary(self.k_norm(self.heads(self.k_proj(x), self.c.num_kv_heads)), positions[:, None])
         return k, self.heads(self.v_proj(x), self.c.num_kv_heads)
 
     def queries(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        return rotary(self.heads(self.q_proj(x), self.c.num_heads), positions[:, None])
+        return rotary(self.q_norm(self.heads(self.q_proj(x), self.c.num_heads)), positions[:, None])
 
     def attend_and_mlp(self, residual, q, keys, values, mask: torch.Tensor | None) -> torch.Tensor:
         """Attention output added to `residual` (B, Q, H), then the gated MLP with its residual."""

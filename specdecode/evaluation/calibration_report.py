@@ -53,7 +53,7 @@ def record_rounds(
     if not getattr(drafter.config, "confidence_head", False):
         raise SpecDecodeError(f"{drafter_path} is a {drafter.name} drafter without a confidence head")
     drafter.config.calibration_temperatures = []  # record raw confidences
-    gamma = drafter.config.block_size
+    gamma = drafter.config.draft_length
     digest = hashlib.sha256(Path(drafter_path, "model.safetensors").read_bytes())
     digest.update(f"{params} {max_new_tokens}".encode())
     key = digest.hexdigest()[:12]

@@ -45,7 +45,7 @@ def measure_draft_seconds(
         state = copy.copy(drafter)
         state.begin(ids, params, torch.Generator().manual_seed(i), TargetFeatures(out.layer_hidden, out.last_hidden))
         states.append((state, ids))
-    gamma = drafter.config.block_size
+    gamma = drafter.config.draft_length
 
     def once(r: int) -> float:
         t0 = time.perf_counter()
@@ -107,7 +107,7 @@ def run_scheduler_bench(
     prompts = unseen_prompts(data_dir, num_prompts)
     rounds = record_rounds(target, drafter_path, prompts, params, max_new_tokens)
     drafter = load_drafter(drafter_path, target)
-    gamma = drafter.config.block_size
+    gamma = drafter.config.draft_length
     temperatures = list(drafter.config.calibration_temperatures) or [1.0] * gamma
     costs = profile_target(target, sizes=PROFILE_SIZES)
     draft_s = measure_draft_seconds(target, drafter, prompts, params, requests)

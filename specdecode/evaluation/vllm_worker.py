@@ -17,8 +17,8 @@ import time
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model", help="an HF model folder")
-    parser.add_argument("--speculative", default="none", help="none | ngram | eagle3")
-    parser.add_argument("--draft-model", help="for eagle3: a drafter folder in the engines' EAGLE-3 format")
+    parser.add_argument("--speculative", default="none", help="none | ngram | eagle3 | dflash | dspark")
+    parser.add_argument("--draft-model", help="a drafter folder in vLLM's format for the method (specdecode export)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     args = parser.parse_args()
     reply_to = os.fdopen(os.dup(1), "w")  # the protocol's stream; vLLM's own logs print to stdout,
@@ -30,8 +30,8 @@ def main() -> None:
     speculative = None
     if args.speculative == "ngram":
         speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 4}
-    if args.speculative == "eagle3":
-        speculative = {"method": "eagle3", "model": args.draft_model}
+    if args.speculative in ("eagle3", "dflash", "dspark"):
+        speculative = {"method": args.speculative, "model": args.draft_model}
         speculative["num_speculative_tokens"] = args.num_speculative_tokens
     start = time.perf_counter()
     llm = LLM(

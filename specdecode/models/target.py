@@ -9,6 +9,8 @@ cannot be captured (HF's tuple holds it after the final norm), and the final-nor
 separately as `last_hidden`.
 """
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +131,14 @@ class Target:
         if self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return {i for i in ids if i is not None}
+
+    def fingerprint(self) -> str:
+        """Hash of the shapes that matter and of the embedding matrix: drafters record it to refuse a mismatch."""
+        c = self.config
+        digest = hashlib.sha256()
+        digest.update(json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads]).encode())
+        digest.update(self.model.get_input_embeddings().weight.detach().float().cpu().numpy().tobytes())
+        return digest.hexdigest()[:16]
 
     @property
     def cache_length(self) -> int:

@@ -1,10 +1,11 @@
 """Training a block drafter (DFlash, DSpark): random anchors, one masked pass over all blocks, the losses.
 
-Each sequence gets `num_anchors` random anchors; each anchor opens a block [x_a, MASK x (G-1)] at
-positions a..a+G-1 whose slot k predicts x_{a+k+1}. All blocks of a batch run in one pass: a block sees
-the context strictly before its anchor (the anchor's own features do not exist yet at inference) and its
-own block, nothing of other blocks. Losses are weighted by exp(-k/decay) over slots (k from 0) and cover a
-contiguous supervised prefix of each block:
+Each sequence gets `num_anchors` random anchors; each anchor opens a block [x_a, MASK x (B-1)] at
+positions a..a+B-1. Its predicting slots (all B with the anchor predicting, else the B-1 masks) give
+draft k = 0, 1, ... the label x_{a+k+1}. All blocks of a batch run in one pass: a block sees the context
+strictly before its anchor (the anchor's own features do not exist yet at inference) and its own block,
+nothing of other blocks. Losses are weighted by exp(-k/decay) over drafts and cover a contiguous
+supervised prefix of each block:
   DFlash: cross-entropy.
   DSpark: 0.1 CE (Markov-corrected, teacher-forced) + 0.9 ||p_draft - p_target||_1
           + 1.0 BCE(confidence, 1 - 0.5 ||p_draft - p_target||_1, detached).
@@ -51,17 +52,19 @@ def training_losses(model: "DSparkModel", batch: "FeatureBatch", generator: torc
     c = model.config
     ids, loss_mask = batch.input_ids, batch.loss_mask & batch.attention_mask
     b, t = ids.shape
-    g = c.block_size
+    block, g = c.block_size, c.draft_length
     anchors, anchor_valid = sample_anchors(loss_mask, c.num_anchors, generator)
     n = anchors.shape[1]
+    block_positions = anchors[:, :, None] + torch.arange(block)  # (B, N, block)
     offsets = torch.arange(g)
-    positions = anchors[:, :, None] + offsets  # (B, N, G)
+    positions = anchors[:, :, None] + offsets  # (B, N, G): draft k is the next token after position a + k
 
-    inputs = model.mask_input((b, n, g))
+    inputs = model.mask_input((b, n, block))
     inputs = torch.cat([model.embed(torch.gather(ids, 1, anchors))[:, :, None], inputs[:, :, 1:]], dim=2)
     context_kv = model.context_kv(model.context(batch.layer_hidden), torch.arange(t).expand(b, t))
-    mask = block_attention_mask(anchors, batch.attention_mask, g)
-    h = model.backbone(inputs.flatten(1, 2), positions.flatten(1, 2), context_kv, mask).view(b, n, g, -1)
+    mask = block_attention_mask(anchors, batch.attention_mask, block)
+    h = model.backbone(inputs.flatten(1, 2), block_positions.flatten(1, 2), context_kv, mask)
+    h = model.prediction_states(h.view(b, n, block, -1))
 
     label_pos = (positions + 1).clamp_max(t - 1)
     labels = torch.gather(ids, 1, label_pos.flatten(1)).view(b, n, g)

@@ -66,6 +66,7 @@ def build_block_drafter(
     markov_head_type: str = "vanilla",
     target_layer_ids: list[int] | None = None,
     num_anchors: int = 32,
+    sample_from_anchor: bool = True,
 ) -> DSparkModel:
     if kind not in DRAFTER_KINDS:
         raise SpecDecodeError(f"unknown drafter kind '{kind}'; choose one of {', '.join(DRAFTER_KINDS)}")
@@ -80,6 +81,7 @@ def build_block_drafter(
         markov_head_type=markov_head_type,
         confidence_head=dspark,
         num_anchors=num_anchors,
+        sample_from_anchor=sample_from_anchor,
     )
     return DSparkModel(config, target.model.get_input_embeddings(), target.output_head())
 

@@ -1,7 +1,9 @@
 """One training loop for every trained drafter (EAGLE-3, DFlash, DSpark), read top to bottom.
 
-A drafter is any `nn.Module` with `training_losses(batch, generator) -> dict`: "loss" is the scalar to
-minimise (a mean over the micro-batch's supervised positions), every other key a detached scalar metric.
+A drafter's losses come from `losses_of(model)`: the training code of each kind (models never import
+training code), or the module's own `training_losses(batch, generator)` for any other `nn.Module`. They
+return a dict: "loss" is the scalar to minimise (a mean over the micro-batch's supervised positions),
+every other key a detached scalar metric.
 Parameters with requires_grad=False (embedding and LM head copied from the target) are not trained.
 
 Everything that decides what a step computes (which examples, which random draws) is a function of
@@ -20,9 +22,11 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +37,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from specdecode.drafters.dspark import DSparkModel
+from specdecode.drafters.eagle3 import Eagle3Model
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import first_line
+from specdecode.training import block_losses, eagle3_losses
 from specdecode.training.data import Example
 from specdecode.training.features import (
     FeatureBatch,
@@ -90,15 +97,25 @@ def epoch_order(n_examples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng(derived_seed(seed, 0, epoch)).permutation(n_examples)
 
 
+def losses_of(model: nn.Module) -> Callable[[FeatureBatch, torch.Generator], dict[str, torch.Tensor]]:
+    """The training losses of a drafter model, as a function of (batch, generator)."""
+    if isinstance(model, DSparkModel):
+        return partial(block_losses.training_losses, model)
+    if isinstance(model, Eagle3Model):
+        return partial(eagle3_losses.training_losses, model)
+    return model.training_losses
+
+
 class _Losses(nn.Module):
-    """DDP synchronises gradients through `forward`, so the drafter's `training_losses` is called through one."""
+    """DDP synchronises gradients through `forward`, so the drafter's losses are computed through one."""
 
     def __init__(self, drafter: nn.Module) -> None:
         super().__init__()
         self.drafter = drafter
+        self.losses = losses_of(drafter)
 
     def forward(self, batch: FeatureBatch, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        return self.drafter.training_losses(batch, generator)
+        return self.losses(batch, generator)
 
 
 class _StopRequest:
@@ -343,7 +360,7 @@ def evaluate(
     totals = torch.zeros(len(keys) + 1, device=device)  # metric sums and the micro-batch count
     for j in range(rank, len(chunks), world_size):
         generator = torch.Generator().manual_seed(derived_seed(config.seed, 2, j))
-        out = model.training_losses(features.batch(chunks[j]).to(device), generator)
+        out = losses_of(model)(features.batch(chunks[j]).to(device), generator)
         totals += torch.stack([out[k].float() for k in keys] + [torch.ones((), device=device)])
     if world_size > 1:
         dist.all_reduce(totals)
