@@ -105,7 +105,7 @@ class EngineWorker:
         ready = self.process.stdout.readline()
         if not ready:
             self.log.seek(0)
-            errors = [line.strip() for line in self.log if "Error" in line or "error" in line]
+            errors = [line.strip() for line in self.log if "rror" in line and "errors.pydantic.dev" not in line]
             raise SpecDecodeError(f"the {label} worker exited during start-up: {errors[-1] if errors else 'no log'}")
         self.startup_s = json.loads(ready)["startup_s"]
 
