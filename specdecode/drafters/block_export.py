@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
+from specdecode.drafters.checkpoint import load_state, read_weights
 from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel
 from specdecode.drafters.shipped import EXPORT_DTYPES, write_export
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import resolve
-from specdecode.models.target import Target, first_line
+from specdecode.models.target import Target
 
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}
 LAYER_GROUPS = {name: "self_attn" for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
@@ -95,7 +95,7 @@ def export_block(
         raise SpecDecodeError(f"cannot export {source} as {fmt}: {reason}")
     target_dir = Path(target_dir or resolve(config["target"]["name"]))
     target_config = json.loads((target_dir / "config.json").read_text())
-    weights = {engine_key(k): v for k, v in load_file(str(Path(source) / "model.safetensors")).items()}
+    weights = {engine_key(k): v for k, v in read_weights(source).items()}
     vocab, mask_id = c.vocab_size, c.mask_token_id
     if mask_id is None:  # the learned mask vector becomes embedding row V
         mask_id, mask = vocab, weights.pop("mask_embedding")
@@ -216,10 +216,7 @@ def load_engine_drafter(path: str | Path, target: Target) -> BlockDrafter:
         name = config["specdecode"]["target"].get("name")
         raise SpecDecodeError(f"drafter {path} was exported for target '{name}', not for '{target.name}'")
     c = import_config(config, target, path)
-    try:
-        engine = load_file(str(path / "model.safetensors"))
-    except Exception as e:  # safetensors raises several types for a truncated or foreign file
-        raise SpecDecodeError(f"drafter weights {path / 'model.safetensors'} cannot be read ({first_line(e)})") from e
+    engine = read_weights(path)
     embedding = target.model.get_input_embeddings().weight.detach()
     own = engine.pop("embed_tokens.weight", None)
     if own is not None and not torch.allclose(own[: c.vocab_size].float(), embedding.float().cpu(), atol=1e-2):
@@ -239,11 +236,5 @@ def load_engine_drafter(path: str | Path, target: Target) -> BlockDrafter:
     if "markov.w1.weight" in weights:
         weights["markov.w1.weight"] = weights["markov.w1.weight"][: c.vocab_size]
     model = DSparkModel(c, target.model.get_input_embeddings(), target.output_head())
-    try:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-    except RuntimeError as e:
-        raise SpecDecodeError(f"drafter weights in {path} do not match its config.json ({first_line(e)})") from e
-    if missing or unexpected:
-        detail = f"missing {missing[:3]}, unexpected {unexpected[:3]}"
-        raise SpecDecodeError(f"drafter weights in {path} do not match its config.json ({detail})")
+    load_state(model, weights, path)
     return BlockDrafter(model.to(target.device))

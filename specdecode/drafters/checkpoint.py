@@ -67,12 +67,18 @@ def check_target(config: dict, target: Target, path: str | Path) -> None:
         )
 
 
-def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of `path/model.safetensors`, or one clear error for a truncated or foreign file."""
     file = Path(path) / "model.safetensors"
     try:
-        weights = load_file(str(file))
+        return load_file(str(file))
     except Exception as e:  # safetensors raises several types for a truncated or foreign file
         raise SpecDecodeError(f"drafter weights {file} cannot be read ({first_line(e)})") from e
+
+
+def load_state(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Load `weights` (read from the drafter at `path`) into `model`: every tensor, of the right shape."""
+    file = Path(path) / "model.safetensors"
     try:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as e:  # a tensor of another shape
@@ -84,6 +90,10 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
             f"drafter weights {file} do not match the architecture in config.json "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    load_state(model, read_weights(path), path)
 
 
 def load_drafter(path: str | Path, target: Target):
