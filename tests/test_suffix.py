@@ -75,10 +75,68 @@ def test_drafter_copies_a_passage_and_adapts_its_length():
     assert drafter.propose(prompt, 16).length == 0  # nothing before [7, 8]: no match, no proposal
     copying = [*prompt, *passage[:3]]
     proposal = drafter.propose(copying, 16)
-    # matched 3 tokens: at most max_spec_factor * 3 = 6 drafts, the passage's continuation
-    assert proposal.tokens.tolist() == passage[3:9]
+    # matched 3 tokens: at most max_spec_factor * 3 = 12 drafts, the passage's continuation
+    assert proposal.tokens.tolist() == passage[3:15]
     longer = [*copying, *passage[3:12]]
     assert drafter.propose(longer, 16).tokens.tolist() == passage[12:28]
+
+
+def confident(drafter: SuffixDrafter) -> SuffixDrafter:
+    """As if many verified rounds had agreed with every kind of draft."""
+    drafter.table.tries = [100.0] * len(drafter.table.tries)
+    drafter.table.hits = [99.0] * len(drafter.table.hits)
+    return drafter
+
+
+def test_confident_proposals_run_past_the_draft_length():
+    """A lookup's drafts cost no pass: past the engine's draft length it proposes on while the drafts' learned
+    survival pays for the wider verify pass; with unlearned (even-odds) confidences it stops at the draft length."""
+    passage = list(range(100, 140))
+    ids = [5, 6, *passage, 7, 8, *passage[:12]]
+    continuation = [*passage[12:], 7, 8, *passage]
+    cost = SuffixSettings(global_capacity=0), (lambda b: 1 / (1 + 0.05 * b))  # a pass costs 5% more per token
+    for drafter, expected in ((SuffixDrafter(*cost), 4), (confident(SuffixDrafter(*cost)), 32)):
+        drafter.begin(ids, GREEDY, torch.Generator(), None)
+        limit = drafter.proposal_limit(4)
+        assert limit == 32 and drafter.proposal_limit(0) == 0  # draft length 0: normal decoding
+        drafter.proposal_limit(4)
+        assert drafter.propose(ids, limit).tokens.tolist() == continuation[:expected]
+
+
+class LengthSpy(SuffixDrafter):
+    """Records each proposal's length (in one list that the engine's per-request copies share)."""
+
+    def __init__(self, settings: SuffixSettings) -> None:
+        super().__init__(settings)
+        self.lengths: list[int] = []
+
+    def propose(self, ids, max_tokens):
+        proposal = super().propose(ids, max_tokens)
+        self.lengths.append(proposal.length)
+        return proposal
+
+
+def test_long_lookup_proposals_stay_lossless_in_both_engines():
+    """Proposals longer than the draft length are verified like any chain: the output is normal greedy decoding,
+    in the one-request decoder and in the continuous engine, and the hybrid's model keeps to the draft length."""
+    target = tiny_target(vocab_size=32, seed=3)
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4]
+    reference = _normal_greedy(target, prompt, 20)
+    spy = confident(LengthSpy(SuffixSettings(global_capacity=0)))
+    assert SpeculativeDecoder(target, spy, draft_length=2).generate(prompt, GREEDY, 20)[0].token_ids == reference
+    assert max(spy.lengths) > 2
+    model = _tiny_dspark(target)
+    target.set_capture_layers(model.target_layer_ids)
+    spy = confident(LengthSpy(SuffixSettings(global_capacity=0)))
+    hybrid = HybridDrafter(model, spy, costs=EQUAL_COSTS)
+    engine = ContinuousEngine(target, hybrid, EngineConfig(max_batch=2, max_len=64, draft_length=2))
+    engine.start()
+    try:
+        got = engine.submit(prompt, GREEDY, 20).result(60)
+    finally:
+        engine.stop()
+    assert got.token_ids == reference and max(hybrid.suffix.lengths) > 2
+    assert hybrid.proposal_limit(2) == 32 and hybrid._model_tokens(32) == 2
 
 
 def test_acceptance_table_learns_from_verified_rounds():

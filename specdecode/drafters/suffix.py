@@ -16,11 +16,14 @@ Two indexes serve a request: its own prompt and output, and optionally a global 
 requests' outputs (bounded: the oldest half is dropped when it fills).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
+from specdecode.engine.sps import profile_target
+from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
 MAX_COUNT_WALK = 64
@@ -171,12 +174,15 @@ class AcceptanceTable:
 
 @dataclass
 class SuffixSettings:
-    """`max_spec_factor`: at most this many tokens per matched token (SuffixDecoding's alpha); `min_score`:
-    stop a proposal when its path probability falls below this; `global_capacity`: 0 turns the shared
-    index of earlier outputs off."""
+    """A proposal holds up to `max_spec_factor` drafts per matched token (SuffixDecoding's alpha) within the
+    engine's draft length, and more, up to `lookup_length` (past the draft length: its drafts cost no pass,
+    only verify width), where the drafts' learned survival pays for the wider verify pass on this machine's
+    measured cost curve; it stops where the continuation's path frequency falls below `min_score`.
+    `global_capacity`: 0 turns the shared index of earlier outputs off."""
 
-    max_spec_factor: float = 2.0
+    max_spec_factor: float = 4.0
     min_score: float = 0.1
+    lookup_length: int = 32
     global_capacity: int = 200_000
     rematch_tokens: int = 64  # context tokens matched again in the global index after it changed
 
@@ -187,12 +193,21 @@ class SuffixDrafter(Drafter):
     name = "suffix"
     has_confidences = True
 
-    def __init__(self, settings: SuffixSettings | None = None) -> None:
+    def __init__(
+        self, settings: SuffixSettings | None = None, steps_per_s: Callable[[int], float] | None = None
+    ) -> None:
+        """`steps_per_s`: verify passes per second at B tokens (measured on the target when not given)."""
         self.settings = settings or SuffixSettings()
         capacity = self.settings.global_capacity
         # shared by every request of a process (the engine's per-request copies keep these references)
         self.shared = GlobalSuffixIndex(capacity) if capacity > 0 else None
         self.table = AcceptanceTable()
+        self.steps_per_s = steps_per_s
+        self.draft_length: int | None = None  # the engine's, told by `proposal_limit`
+
+    def check_target(self, target: Target) -> None:
+        if self.steps_per_s is None:
+            self.steps_per_s = profile_target(target).steps_per_s
 
     def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:
         self.local = SuffixAutomaton()
@@ -218,6 +233,10 @@ class SuffixDrafter(Drafter):
                 state, matched = automaton.match(state, matched, token)
             self.global_matches[a] = (state, matched)
 
+    def proposal_limit(self, draft_length: int) -> int:
+        self.draft_length = draft_length
+        return max(draft_length, self.settings.lookup_length) if draft_length > 0 else 0
+
     def propose(self, ids: list[int], max_tokens: int) -> Proposal:
         self.pending = None
         if max_tokens <= 0:
@@ -233,10 +252,14 @@ class SuffixDrafter(Drafter):
                     candidates.append((automaton, state, matched))
         best, best_value = None, 0.0
         for automaton, state, matched in candidates:
-            limit = min(max_tokens, max(1, int(self.settings.max_spec_factor * matched)))
-            tokens, scores = automaton.continuation(state, limit, self.settings.min_score)
-            cells = [self.table.cell(matched, score) for score in scores]
+            tokens, scores = automaton.continuation(state, max_tokens, self.settings.min_score)
+            # draft j is predicted by the match grown by the j-1 drafts before it (given that they survive)
+            cells = [self.table.cell(matched + j, score) for j, score in enumerate(scores)]
             confidences = [self.table.confidence(cell) for cell in cells]
+            # as many as the match's length allows (within the draft length), more where they pay
+            floor = max(1, int(self.settings.max_spec_factor * matched))
+            keep = self._paying_length(confidences, min(floor, self.draft_length or floor))
+            tokens, cells, confidences = tokens[:keep], cells[:keep], confidences[:keep]
             value = expected_accepted(confidences)
             if value > best_value:
                 best, best_value = (tokens, cells, confidences), value
@@ -245,6 +268,16 @@ class SuffixDrafter(Drafter):
         tokens, cells, confidences = best
         self.pending = (len(ids), tokens, cells)
         return Proposal(torch.tensor(tokens, dtype=torch.long), confidences=torch.tensor(confidences), source="suffix")
+
+    def _paying_length(self, confidences: list[float], floor: int) -> int:
+        """The length >= `floor` with the most expected tokens per second: (1 + drafts expected to survive) x
+        SPS(1 + length); without a cost curve, `floor`."""
+        if self.steps_per_s is None or len(confidences) <= floor:
+            return min(floor, len(confidences))
+        survival = torch.tensor(confidences, dtype=torch.float64).cumprod(0)
+        expected = 1 + survival.cumsum(0)
+        rates = [float(expected[n - 1]) * self.steps_per_s(1 + n) for n in range(floor, len(confidences) + 1)]
+        return floor + max(range(len(rates)), key=rates.__getitem__)
 
     def observe(self, ids: list[int], num_accepted: int, features) -> None:
         """Score the last proposal against what was committed, whichever drafter's proposal was verified: a

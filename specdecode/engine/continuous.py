@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EngineConfig:
     """`max_batch` KV slots of `max_len` tokens each (prompt + completion); the verify length per request is
-    at most `draft_length`, cut further by the scheduler."""
+    at most `draft_length` (a lookup drafter's may run further), cut further by the scheduler."""
 
     max_batch: int = 8
     max_len: int = 2048
@@ -288,7 +288,9 @@ class ContinuousEngine:
             [s.ids for s in self._running],
             # drafts beyond a request's limit would be wasted
             [
-                min(self.config.draft_length, s.request.max_tokens - s.generated - 1) if s.request.speculate else 0
+                min(s.drafter.proposal_limit(self.config.draft_length), s.request.max_tokens - s.generated - 1)
+                if s.request.speculate
+                else 0
                 for s in self._running
             ],
         )
@@ -303,7 +305,6 @@ class ContinuousEngine:
             [p.length for p in proposals],
             self.steps_per_s,
             self.config.threshold,
-            self.config.draft_length,
         )
         proposals = [p.prefix(n) for p, n in zip(proposals, lengths, strict=True)]
         rows = [

