@@ -101,6 +101,10 @@ def test_confident_proposals_run_past_the_draft_length():
         assert limit == 32 and drafter.proposal_limit(0) == 0  # draft length 0: normal decoding
         drafter.proposal_limit(4)
         assert drafter.propose(ids, limit).tokens.tolist() == continuation[:expected]
+    doubtful = SuffixDrafter(*cost)
+    doubtful.table.tries = [100.0] * len(doubtful.table.tries)  # drafts of every kind rarely survived: a plain
+    doubtful.begin(ids, GREEDY, torch.Generator(), None)  # decoding step is faster than verifying any
+    assert doubtful.propose(ids, doubtful.proposal_limit(4)).length == 0
 
 
 class LengthSpy(SuffixDrafter):

@@ -270,14 +270,16 @@ class SuffixDrafter(Drafter):
         return Proposal(torch.tensor(tokens, dtype=torch.long), confidences=torch.tensor(confidences), source="suffix")
 
     def _paying_length(self, confidences: list[float], floor: int) -> int:
-        """The length >= `floor` with the most expected tokens per second: (1 + drafts expected to survive) x
-        SPS(1 + length); without a cost curve, `floor`."""
-        if self.steps_per_s is None or len(confidences) <= floor:
-            return min(floor, len(confidences))
-        survival = torch.tensor(confidences, dtype=torch.float64).cumprod(0)
-        expected = 1 + survival.cumsum(0)
-        rates = [float(expected[n - 1]) * self.steps_per_s(1 + n) for n in range(floor, len(confidences) + 1)]
-        return floor + max(range(len(rates)), key=rates.__getitem__)
+        """The length >= `floor` with the most expected tokens per second, (1 + drafts expected to survive) x
+        SPS(1 + length), or 0 where even that is slower than a plain decoding step; without a cost curve,
+        `floor`."""
+        floor = min(floor, len(confidences))
+        if self.steps_per_s is None or not confidences:
+            return floor
+        expected = 1 + torch.tensor(confidences, dtype=torch.float64).cumprod(0).cumsum(0)
+        lengths = [0, *range(floor, len(confidences) + 1)]
+        rates = [self.steps_per_s(1)] + [float(expected[n - 1]) * self.steps_per_s(1 + n) for n in lengths[1:]]
+        return lengths[max(range(len(rates)), key=rates.__getitem__)]
 
     def observe(self, ids: list[int], num_accepted: int, features) -> None:
         """Score the last proposal against what was committed, whichever drafter's proposal was verified: a
