@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
+from specdecode.engine.scheduler import prefix_survival
 from specdecode.engine.sps import profile_target
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
@@ -276,7 +277,7 @@ class SuffixDrafter(Drafter):
         floor = min(floor, len(confidences))
         if self.steps_per_s is None or not confidences:
             return floor
-        expected = 1 + torch.tensor(confidences, dtype=torch.float64).cumprod(0).cumsum(0)
+        expected = 1 + prefix_survival(torch.tensor(confidences)).cumsum(0)
         lengths = [0, *range(floor, len(confidences) + 1)]
         rates = [self.steps_per_s(1)] + [float(expected[n - 1]) * self.steps_per_s(1 + n) for n in lengths[1:]]
         return lengths[max(range(len(rates)), key=rates.__getitem__)]
