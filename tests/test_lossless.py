@@ -109,7 +109,7 @@ def test_sampling_matches_target_distribution_real(smollm2, params):
     """Real target, draft-model drafter with full q: the first two tokens follow normal sampling exactly."""
     prompt_ids = smollm2.encode("Name a color.")
     decoder = SpeculativeDecoder(smollm2, build_drafter("draft-model", smollm2), draft_length=2)
-    n = 400
+    n = 200  # the tiny-target tests above carry the statistical power; this one checks the real path
     completions = decoder.generate(prompt_ids, params, max_new_tokens=2, seed=3, num_samples=n)
     counts = Counter(tuple(c.token_ids) for c in completions)
     exact = exact_two_token_distribution(smollm2, prompt_ids, params)
