@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
     t.add_argument("--grad-accum", type=int, default=1)
     t.add_argument("--max-length", type=int, default=1024)
+    t.add_argument(
+        "--max-conversations", type=int, default=None, help="train on the first N training conversations (scaling)"
+    )
     t.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     t.add_argument("--block-size", type=int, default=7, help="block inputs per round: anchor + masks")
     t.add_argument(
@@ -170,7 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--markov-rank", type=int, default=64)
     t.add_argument("--markov-head", default="vanilla", choices=["vanilla", "gated", "rnn"])
     t.add_argument("--anchors", type=int, default=32, help="blocks (EAGLE-3: unrolled indices) trained per sequence")
-    t.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: most frequent answer tokens drafted")
+    t.add_argument(
+        "--draft-vocab",
+        type=int,
+        help="most frequent answer tokens the drafter can propose, an LM head that size (default 8192); "
+        "dspark/dflash: 0 = the whole vocabulary through the target's LM head",
+    )
     t.add_argument("--ttt-steps", type=int, default=7, help="eagle3: drafting steps unrolled in training")
     t.add_argument(
         "--target-layers",
@@ -188,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(bt)
     bt.add_argument("--prompts", type=int, default=32)
     bt.add_argument("--out", default="docs/results")
+
+    bsc = bsub.add_parser("scaling", help="held-out accepted length against training tokens, from finished runs")
+    bsc.add_argument("--runs", nargs="+", required=True, help="run folders of `specdecode train --max-conversations N`")
+    bsc.add_argument("--target", default=DEFAULT_TARGET)
+    bsc.add_argument("--out", default="docs/results")
 
     bvc = bsub.add_parser("vllm-check", help="exported DFlash/DSpark drafters run in vLLM's own classes, one block")
     _add_target_args(bvc)
@@ -535,6 +548,10 @@ def cmd_bench(args) -> None:
             args.name,
             args.vllm_python,
         )
+    elif args.bench == "scaling":
+        from specdecode.evaluation.scaling import run_scaling
+
+        run_scaling(args.runs, args.out, args.target)
     else:
         from specdecode.evaluation.training_throughput import run_training_throughput
 
@@ -614,8 +631,11 @@ def cmd_train(args) -> None:
         eval_every=args.eval_every,
         collective_timeout_s=args.collective_timeout,
     )
+    from specdecode.training.recipes import DEFAULT_DRAFT_VOCAB
+
+    draft_vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
     if args.drafter == "eagle3":
-        architecture = {"draft_vocab_size": args.draft_vocab, "ttt_steps": args.ttt_steps, "num_anchors": args.anchors}
+        architecture = {"draft_vocab_size": draft_vocab, "ttt_steps": args.ttt_steps, "num_anchors": args.anchors}
     else:
         architecture = {
             "num_layers": args.layers,
@@ -624,6 +644,7 @@ def cmd_train(args) -> None:
             "markov_head_type": args.markov_head,
             "num_anchors": args.anchors,
             "sample_from_anchor": not args.fill_in,
+            "draft_vocab_size": draft_vocab,
         }
     architecture["target_layer_ids"] = _layer_ids(args.target_layers)
     path = run_training(
@@ -635,6 +656,7 @@ def cmd_train(args) -> None:
         args.features,
         args.max_length,
         architecture=architecture,
+        max_conversations=args.max_conversations,
     )
     _note(f'drafter written to {path}; try: specdecode generate "Hello" --drafter {path}')
 

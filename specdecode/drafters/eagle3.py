@@ -25,6 +25,7 @@ from torch import nn
 
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures, TreeProposal, TreeSettings
 from specdecode.drafters.layers import DecoderBlock, Rotary
+from specdecode.drafters.vocab import draft_ids_of, maps_agree, vocab_maps
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
@@ -52,14 +53,6 @@ class Eagle3Config:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) for sorted target ids `draft_ids`: target id = i + d2t[i]; t2d marks the drafted ids."""
-    d2t = draft_ids - torch.arange(len(draft_ids))
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[draft_ids] = True
-    return d2t, t2d
 
 
 class Eagle3Layer(DecoderBlock):
@@ -100,21 +93,17 @@ class Eagle3Model(nn.Module):
     @property
     def draft_ids(self) -> torch.Tensor:
         """Target id of every draft id."""
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return draft_ids_of(self.d2t)
 
     def vocab_maps_agree(self) -> bool:
-        """Whether d2t and t2d describe the same increasing set of target ids (a loaded checkpoint may not)."""
-        ids, size = self.draft_ids.cpu(), len(self.t2d)
-        valid = bool(((ids >= 0) & (ids < size)).all()) and bool((ids[1:] > ids[:-1]).all())
-        return valid and torch.equal(vocab_maps(ids, size)[1], self.t2d.cpu())
+        return maps_agree(self.d2t, self.t2d)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self._frozen[0](ids).to(self.fc.weight.dtype)
 
-    def target_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """The target's logits over its whole vocabulary from its final-normed hidden state."""
-        head = self._frozen[1]
-        return head(last_hidden.to(head.weight.dtype)).float()
+    @property
+    def target_head(self) -> nn.Module:
+        return self._frozen[1]
 
     def fuse(self, layer_hidden: torch.Tensor) -> torch.Tensor:
         """Concatenated target layers (..., n*H) -> the step-0 hidden state (..., H)."""

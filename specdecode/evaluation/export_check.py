@@ -36,7 +36,7 @@ def our_block(drafter: BlockDrafter, aux: torch.Tensor, anchor: int, position: i
     anchor_ids = torch.tensor([anchor])
     inputs = torch.cat([m.embed(anchor_ids), m.mask_input((c.block_size - 1,))])[None]
     h = m.prediction_states(m.backbone(inputs, torch.arange(position, position + c.block_size)[None], kv, None))[0]
-    logits, conf, tokens = m.sequential(h, m.lm_head(h), anchor_ids[0], choose=lambda x: x.argmax(-1))
+    logits, conf, tokens = m.sequential(h, m.draft_logits(h), anchor_ids[0], choose=lambda x: m.to_target(x.argmax(-1)))
     out = {"logits": logits.float(), "tokens": tokens}
     if conf is not None:
         out["confidence"] = torch.sigmoid(conf.float())

@@ -2,8 +2,9 @@
 
 Regeneration: the same single-turn prompts answered at batch size 1 and at larger batches, in fresh
 folders, alternating. Training: a few steps of the real trainer on those answers, with target features
-computed online and read from an offline cache; tokens/s counts supervised tokens (what the drafter learns
-from), as the trainer logs them.
+computed online and read from an offline cache, with the target's whole vocabulary and with the default
+reduced draft vocabulary; tokens/s counts supervised tokens (what the drafter learns from), as the trainer
+logs them.
 """
 
 import json
@@ -16,7 +17,7 @@ from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
 from specdecode.training.features import OfflineFeatures, OnlineFeatures, write_feature_cache
 from specdecode.training.prompts import build_prompt_mix
-from specdecode.training.recipes import build_block_drafter
+from specdecode.training.recipes import DEFAULT_DRAFT_VOCAB, build_block_drafter, default_layer_ids
 from specdecode.training.regenerate import RegenerationSettings, regenerate
 from specdecode.training.run import load_examples
 from specdecode.training.trainer import TrainConfig, train
@@ -45,14 +46,15 @@ def run_training_throughput(
             )
         data = Path(tmp) / f"regen-b{batch_sizes[-1]}"
         examples = load_examples(target, str(data), max_length=1024)
-        model = build_block_drafter("dspark", target)
-        layers = model.config.target_layer_ids
+        layers = default_layer_ids(target.num_layers)
         cache = Path(tmp) / "cache"
         write_feature_cache(target, layers, examples, cache)
-        for mode, features in (("online", OnlineFeatures(target, layers)), ("offline", OfflineFeatures(cache, layers))):
-            model = build_block_drafter("dspark", target)
+        variants = [("online", DEFAULT_DRAFT_VOCAB), ("offline", 0), ("offline", DEFAULT_DRAFT_VOCAB)]
+        for mode, vocab in variants:
+            features = OnlineFeatures(target, layers) if mode == "online" else OfflineFeatures(cache, layers)
+            model = build_block_drafter("dspark", target, examples=examples, draft_vocab_size=vocab)
             config = TrainConfig(max_steps=steps, micro_batch_size=4, save_every=10**9, eval_every=10**9)
-            run_dir = Path(tmp) / f"train-{mode}"
+            run_dir = Path(tmp) / f"train-{mode}-{vocab}"
             _, cores = measure_quietly(
                 lambda m=model, f=features, d=run_dir, c=config: train(m, examples, examples[:4], f, c, d)
             )
@@ -64,6 +66,7 @@ def run_training_throughput(
                     "stage": "train",
                     "drafter": "dspark",
                     "features": mode,
+                    "draft_vocab_size": vocab or target.vocab_size,
                     "micro_batch_size": 4,
                     "steps": steps,
                     "tokens_per_s": round(statistics.median(speeds), 2),
@@ -80,7 +83,10 @@ def run_training_throughput(
 def _table(runs: list[dict]) -> str:
     lines = ["| stage | setting | tokens/s |", "|---|---|---:|"]
     for r in runs:
-        setting = f"batch {r['batch_size']}" if r["stage"] == "regenerate" else f"{r['features']} features"
+        if r["stage"] == "regenerate":
+            setting = f"batch {r['batch_size']}"
+        else:
+            setting = f"{r['features']} features, draft vocabulary {r.get('draft_vocab_size', 'full')}"
         lines.append(f"| {r['stage']} | {setting} | {r['tokens_per_s']:.1f} |")
     return (
         "Regeneration: new tokens per second. Training: supervised tokens per second of the DSpark trainer "

@@ -74,13 +74,15 @@ def build(config, target_dir: str, drafter_dir: str, method: str):
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     model = Drafter(vllm_config=config, prefix="draft")
-    model.load_weights(load_file(os.path.join(drafter_dir, "model.safetensors")).items())
-    target = {}
-    for name in sorted(os.listdir(target_dir)):
-        if name.endswith(".safetensors"):
-            target.update(load_file(os.path.join(target_dir, name)))
-    head = target.get("lm_head.weight", target.get("model.embed_tokens.weight"))  # tied: the embedding
-    model.lm_head.weight.data.copy_(head[: model.lm_head.weight.shape[0]])  # vLLM's proposer shares the target's
+    weights = load_file(os.path.join(drafter_dir, "model.safetensors"))
+    model.load_weights(weights.items())
+    if "lm_head.weight" not in weights:  # vLLM's proposer shares the target's LM head
+        target = {}
+        for name in sorted(os.listdir(target_dir)):
+            if name.endswith(".safetensors"):
+                target.update(load_file(os.path.join(target_dir, name)))
+        head = target.get("lm_head.weight", target.get("model.embed_tokens.weight"))  # tied: the embedding
+        model.lm_head.weight.data.copy_(head[: model.lm_head.weight.shape[0]])
     process_weights_after_loading(model, config.model_config, torch.device("cpu"))  # as vLLM's loader does
     return model
 
@@ -105,9 +107,12 @@ def run_block(model, method: str, inputs: dict) -> dict[str, torch.Tensor]:
     anchor, position = int(inputs["anchor"][0]), int(inputs["anchor_position"][0])
     ids = torch.tensor([anchor] + [mask_id] * (block - 1))
     hidden = model(ids, torch.arange(position, position + block))
-    if method == "dflash":  # the mask slots predict
-        logits = model.compute_logits(hidden[1:])
-        return {"logits": logits, "tokens": logits.argmax(-1)}
+    if method == "dflash":  # the mask slots predict; logits over the draft vocabulary, tokens as target ids
+        logits = model.logits_processor(model.lm_head, hidden[1:])
+        tokens = logits.argmax(-1)
+        if model.draft_id_to_target_id is not None:
+            tokens = tokens + model.draft_id_to_target_id[tokens]
+        return {"logits": logits, "tokens": tokens}
     sample_from_anchor = getattr(config, "sample_from_anchor", True)
     hidden = hidden if sample_from_anchor else hidden[1:]
     base = model.compute_draft_logits(hidden)

@@ -9,12 +9,17 @@ supervised prefix of each block:
   DFlash: cross-entropy.
   DSpark: 0.1 CE (Markov-corrected, teacher-forced) + 0.9 ||p_draft - p_target||_1
           + 1.0 BCE(confidence, 1 - 0.5 ||p_draft - p_target||_1, detached).
+With a reduced draft vocabulary p_draft is zero off it: the L1 distance counts the target's mass there, and
+cross-entropy leaves out the labels the drafter cannot propose.
 """
 
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from specdecode.drafters.vocab import draft_index, logits_of
+from specdecode.training.features import TEACHER_CHUNK_ROWS
 
 if TYPE_CHECKING:
     from specdecode.drafters.dspark import DSparkModel
@@ -72,11 +77,12 @@ def training_losses(model: "DSparkModel", batch: "FeatureBatch", generator: torc
     valid = (supervised & anchor_valid[:, :, None]).long().cumprod(dim=-1).bool()  # contiguous prefix
     weights = torch.exp(-offsets.float() / c.loss_decay) * valid
 
-    logits, conf_logits, _ = model.sequential(h, model.lm_head(h), torch.gather(ids, 1, anchors), choose=labels)
+    logits, conf_logits, _ = model.sequential(h, model.draft_logits(h), torch.gather(ids, 1, anchors), choose=labels)
     with torch.no_grad():
         teacher_pos = positions.clamp_max(t - 1).flatten(1)  # slots past the end are masked out by `valid`
         teacher_hidden = torch.gather(batch.last_hidden, 1, teacher_pos[..., None].expand(-1, -1, h.shape[-1]))
-        p_target = model.lm_head(teacher_hidden.view(b, n, g, -1)).float().softmax(-1)
+        cached = [None if x is None else torch.gather(x, 1, teacher_pos).view(b, n, g) for x in batch.teacher]
+        p_target, off_vocab, target_argmax = teacher(model, teacher_hidden.view(b, n, g, -1), *cached)
     log_p = logits.float().log_softmax(-1)
     p_draft = log_p.exp()
     total = weights.sum().clamp_min(1e-6)
@@ -84,8 +90,13 @@ def training_losses(model: "DSparkModel", batch: "FeatureBatch", generator: torc
     def weighted(x: torch.Tensor) -> torch.Tensor:
         return (x * weights).sum() / total
 
-    ce = weighted(-torch.gather(log_p, -1, labels[..., None]).squeeze(-1))
-    l1 = (p_draft - p_target).abs().sum(-1)
+    label_index, proposable = (labels, None) if model.draft_ids is None else draft_index(model.t2d, labels)
+    nll = -torch.gather(log_p, -1, label_index[..., None]).squeeze(-1)
+    if proposable is None:
+        ce = weighted(nll)
+    else:
+        ce = (nll * weights * proposable).sum() / (weights * proposable).sum().clamp_min(1e-6)
+    l1 = (p_draft - p_target).abs().sum(-1) + off_vocab
     out = {"ce": ce.detach(), "l1": weighted(l1).detach()}
     if c.kind == "dflash":
         loss = ce
@@ -97,18 +108,32 @@ def training_losses(model: "DSparkModel", batch: "FeatureBatch", generator: torc
             loss = loss + c.confidence_weight * weighted(bce)
             out["confidence_bce"] = weighted(bce).detach()
     out["loss"] = loss
-    out.update(_acceptance_metrics(p_draft.detach(), p_target, labels, valid))
+    # a slot survives greedy verification when the draft's argmax is the target's, at T=1 with 1 - TV
+    draft_argmax = model.to_target(p_draft.detach().argmax(-1))
+    alpha = (1 - 0.5 * l1.detach()).clamp(0, 1)
+    out.update(acceptance_metrics(valid, draft_argmax == labels, draft_argmax == target_argmax, alpha))
     return out
 
 
 @torch.no_grad()
-def _acceptance_metrics(p_draft, p_target, labels, valid) -> dict[str, torch.Tensor]:
-    """Per-slot accuracy and the accepted length verification would give, per block (teacher-forced prefix).
-    A slot survives greedy verification when the draft's argmax equals the target's, and at T=1 with
-    probability 1 - 0.5 ||p_draft - p_target||_1."""
-    draft_argmax = p_draft.argmax(-1)
-    alpha = (1 - 0.5 * (p_draft - p_target).abs().sum(-1)).clamp(0, 1)
-    return acceptance_metrics(valid, draft_argmax == labels, draft_argmax == p_target.argmax(-1), alpha)
+def teacher(
+    model, last_hidden: torch.Tensor, log_z: torch.Tensor | None = None, argmax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the target's final-normed states (..., H): its probabilities of the draft vocabulary (..., N), its
+    mass off the draft vocabulary (...) and its argmax over the whole vocabulary (...). `model` gives
+    `target_head` and `draft_ids` (None: the whole vocabulary). With the cached log-normalizer and argmax of
+    these positions only the N draft rows of the head are read; otherwise all of it, a chunk of rows at a time."""
+    if log_z is not None and argmax is not None and model.draft_ids is not None:
+        p = (logits_of(model.target_head, last_hidden, model.draft_ids) - log_z[..., None]).exp()
+        return p, (1 - p.sum(-1)).clamp_min(0), argmax
+    probs, argmaxes, rows = [], [], last_hidden.flatten(0, -2)
+    for chunk in rows.split(TEACHER_CHUNK_ROWS):
+        logits = logits_of(model.target_head, chunk)
+        chunk_log_z = logits.logsumexp(-1, keepdim=True)
+        probs.append((logits if model.draft_ids is None else logits[:, model.draft_ids]).sub_(chunk_log_z).exp_())
+        argmaxes.append(logits.argmax(-1))
+    p = torch.cat(probs).view(*last_hidden.shape[:-1], -1)
+    return p, (1 - p.sum(-1)).clamp_min(0), torch.cat(argmaxes).view(last_hidden.shape[:-1])
 
 
 @torch.no_grad()

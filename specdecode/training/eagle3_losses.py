@@ -20,13 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.training.block_losses import acceptance_metrics
+from specdecode.training.block_losses import acceptance_metrics, teacher
 
 if TYPE_CHECKING:
     from specdecode.drafters.eagle3 import Eagle3Model
     from specdecode.training.features import FeatureBatch
-
-TEACHER_CHUNK_ROWS = 512  # target logits are computed this many positions at a time (49k floats each)
 
 
 def ttt_attention_mask(step: int, attention_mask: torch.Tensor, anchors: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,19 +80,6 @@ def ttt_unroll(model: "Eagle3Model", layer_hidden, ids, attention_mask, steps: i
     return outs
 
 
-@torch.no_grad()
-def teacher(model: "Eagle3Model", last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's probabilities of the draft tokens (M, N) over its whole vocabulary, and its argmax (M,),
-    from final-normed hidden states (M, H), a chunk of rows at a time (the full logits are large)."""
-    draft_ids = model.draft_ids
-    probs, argmax = [], []
-    for chunk in last_hidden.split(TEACHER_CHUNK_ROWS):
-        logits = model.target_logits(chunk)
-        probs.append((logits[:, draft_ids] - logits.logsumexp(-1, keepdim=True)).exp())
-        argmax.append(logits.argmax(-1))
-    return torch.cat(probs), torch.cat(argmax)
-
-
 def training_losses(model: "Eagle3Model", batch: "FeatureBatch", generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The weighted TTT loss and, per step, accuracy and the acceptance numbers of `block_losses`."""
     c = model.config
@@ -112,7 +97,8 @@ def training_losses(model: "Eagle3Model", batch: "FeatureBatch", generator: torc
         rows = anchor_ok & shift_left(supervised, j + 2).gather(1, anchors)
         rows_b, rows_s = rows.nonzero(as_tuple=True)
         predicted_at = anchors[rows_b, rows_s] + 1 + j  # the target's distribution there is of token t+2+j
-        p_full, target_argmax = teacher(model, batch.last_hidden[rows_b, predicted_at])
+        cached = [None if x is None else x[rows_b, predicted_at] for x in batch.teacher]
+        p_full, off_vocab, target_argmax = teacher(model, batch.last_hidden[rows_b, predicted_at], *cached)
         trained = model.t2d[target_argmax].float()
         log_q = model.draft_logits(out[rows_b, rows_s]).float().log_softmax(-1)  # (M, N)
         p_draft_vocab = p_full / p_full.sum(-1, keepdim=True).clamp_min(1e-12)
@@ -123,7 +109,7 @@ def training_losses(model: "Eagle3Model", batch: "FeatureBatch", generator: torc
         with torch.no_grad():
             q = log_q.exp()
             drafted = model.draft_ids[log_q.argmax(-1)]
-            tv = 0.5 * ((q - p_full).abs().sum(-1) + (1 - p_full.sum(-1)).clamp_min(0))  # p_full's mass off-vocab
+            tv = 0.5 * ((q - p_full).abs().sum(-1) + off_vocab)
             valid[..., j] = rows
             alpha[rows_b, rows_s, j] = (1 - tv).clamp(0, 1)
             correct[rows_b, rows_s, j] = drafted == ids[rows_b, predicted_at + 1]

@@ -22,7 +22,8 @@ DRAFTER_KINDS = ("dspark", "dflash")
 TRAINABLE_KINDS = (*DRAFTER_KINDS, "eagle3")
 # SmolLM2's 49,152-token vocabulary against the ~500-conversation training mix: the answers use ~3.8k distinct
 # tokens; the top 8192 (by frequency, then the lower BPE id) cover 96.7% of held-out answer tokens (4096: 94.7%,
-# 16384: 98.2%), with an LM head of 4.7M parameters instead of 28M for the full vocabulary.
+# 16384: 98.2%), with an LM head of 4.7M parameters instead of 28M for the full vocabulary. `specdecode train`'s
+# default for every kind; 0 gives a block drafter the target's whole vocabulary through its shared LM head.
 DEFAULT_DRAFT_VOCAB = 8192
 
 
@@ -67,7 +68,11 @@ def build_block_drafter(
     target_layer_ids: list[int] | None = None,
     num_anchors: int = 32,
     sample_from_anchor: bool = True,
+    examples: list[Example] | None = None,
+    draft_vocab_size: int = 0,
 ) -> DSparkModel:
+    """A fresh DSpark/DFlash drafter: with the target's whole vocabulary (0), or with `draft_vocab_size` of the
+    tokens most frequent in `examples` (the training set) and its own LM head, started as the target's rows."""
     if kind not in DRAFTER_KINDS:
         raise SpecDecodeError(f"unknown drafter kind '{kind}'; choose one of {', '.join(DRAFTER_KINDS)}")
     c = target.config
@@ -83,7 +88,19 @@ def build_block_drafter(
         num_anchors=num_anchors,
         sample_from_anchor=sample_from_anchor,
     )
-    return DSparkModel(config, target.model.get_input_embeddings(), target.output_head())
+    head = target.output_head()
+    if not draft_vocab_size:
+        return DSparkModel(config, target.model.get_input_embeddings(), head)
+    if draft_vocab_size < 0 or not examples:
+        raise SpecDecodeError(
+            f"a draft vocabulary of {draft_vocab_size} tokens needs >= 0 tokens and training examples"
+        )
+    draft_ids = draft_vocabulary(examples, c.vocab_size, draft_vocab_size)
+    config.draft_vocab_size = len(draft_ids)
+    model = DSparkModel(config, target.model.get_input_embeddings(), head, draft_ids)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head.weight[draft_ids.to(head.weight.device)])
+    return model
 
 
 def draft_vocabulary(examples: list[Example], vocab_size: int, size: int) -> torch.Tensor:

@@ -57,9 +57,14 @@ def run_training(
     max_length: int = 1024,
     held_out: float = 0.03,
     architecture: dict | None = None,
+    max_conversations: int | None = None,
 ) -> Path:
+    """Train a drafter of `kind`; `max_conversations` keeps the first N training conversations (in the data's
+    order) and the same held-out set, for scaling curves."""
     if kind not in TRAINABLE_KINDS:
         raise SpecDecodeError(f"unknown drafter kind '{kind}'; choose one of {', '.join(TRAINABLE_KINDS)}")
+    if max_conversations is not None and max_conversations < 1:
+        raise SpecDecodeError(f"--max-conversations must be >= 1, got {max_conversations}")
     architecture = dict(architecture or {})
     layer_ids = architecture.pop("target_layer_ids", None) or recipe_layer_ids(kind, target.num_layers)
     if features == "online":
@@ -68,14 +73,14 @@ def run_training(
     else:
         source = OfflineFeatures(features, layer_ids, subset=True)
         examples = source.examples()
-    train_set = [e for e in examples if not is_held_out(e.id, held_out)]
+    train_set = [e for e in examples if not is_held_out(e.id, held_out)][:max_conversations]
     eval_set = [e for e in examples if is_held_out(e.id, held_out)]
     if not train_set or not eval_set:
         raise SpecDecodeError(f"{len(examples)} usable conversations are too few to split off a held-out set")
     if kind == "eagle3":  # its draft vocabulary is counted on the training answers
         model = build_eagle3_drafter(target, train_set, target_layer_ids=layer_ids, **architecture)
     else:
-        model = build_block_drafter(kind, target, target_layer_ids=layer_ids, **architecture)
+        model = build_block_drafter(kind, target, target_layer_ids=layer_ids, examples=train_set, **architecture)
     final = train(model, train_set, eval_set, source, config, out_dir)
     if final.get("interrupted"):
         raise SpecDecodeError(f"training was interrupted; a checkpoint is in {out_dir}: run the same command to resume")
@@ -86,6 +91,7 @@ def run_training(
         "data": str(data_dir),
         "features": features,
         "train_conversations": len(train_set),
+        "train_supervised_tokens": sum(int(e.loss_mask.sum()) for e in train_set),
         "held_out_conversations": len(eval_set),
         "max_length": max_length,
         "final_metrics": {k: v for k, v in final.items() if isinstance(v, (int, float))},

@@ -1,0 +1,83 @@
+"""`specdecode bench scaling`: held-out accepted length against the training tokens a drafter saw.
+
+Each run folder is one `specdecode train` run on a different amount of data (`--max-conversations`) with the
+same held-out conversations; its final held-out evaluation in `metrics.jsonl` gives the simulated accepted
+length per round, greedy (T = 0) and at T = 1, counting the target's own token. Where the curve still climbs
+with data, data limits the drafter; where it flattens, capacity or training compute does.
+"""
+
+import json
+from pathlib import Path
+
+from specdecode.errors import SpecDecodeError
+from specdecode.evaluation.results import write_results
+
+
+def run_summary(run_dir: str | Path) -> dict:
+    """What one finished training run learned from how much data: its recipe and last held-out evaluation."""
+    run = Path(run_dir)
+    try:
+        config = json.loads((run / "drafter" / "config.json").read_text())
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecDecodeError(f"{run} is not a finished training run ({e})") from e
+    evals = [x for x in lines if x.get("eval")]
+    recipe = config.get("recipe", {})
+    if not evals or "train_supervised_tokens" not in recipe:
+        raise SpecDecodeError(f"{run} has no held-out evaluation or no count of its training tokens")
+    last = evals[-1]
+    return {
+        "run": str(run),
+        "kind": config["kind"],
+        "train_conversations": recipe["train_conversations"],
+        "train_supervised_tokens": recipe["train_supervised_tokens"],
+        "held_out_conversations": recipe["held_out_conversations"],
+        "steps": last["step"],
+        "accepted_length_t0": round(last["simulated_accept_length_greedy"], 3),
+        "accepted_length_t1": round(last["simulated_accept_length"], 3),
+        "acc_pos_1": round(last["acc_pos_1"], 3),
+        "training_s": round(max((x.get("elapsed", 0.0) for x in lines), default=0.0), 1),
+    }
+
+
+def run_scaling(run_dirs: list[str], out_dir: str, target_name: str) -> dict:
+    runs = sorted((run_summary(d) for d in run_dirs), key=lambda r: r["train_supervised_tokens"])
+    lines = [
+        "Held-out simulated accepted length per round (target's token included), last evaluation of each run:\n",
+        "| training conversations | supervised tokens | steps | accepted T=0 | accepted T=1 | position-1 accuracy | "
+        "training time |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['train_conversations']} | {r['train_supervised_tokens']:,} | {r['steps']} | "
+            f"{r['accepted_length_t0']:.2f} | {r['accepted_length_t1']:.2f} | {r['acc_pos_1']:.3f} | "
+            f"{r['training_s'] / 60:.0f} min |"
+        )
+    table = "\n".join(lines)
+    plot = Path(out_dir) / "dspark_scaling.png"
+    plot_scaling(runs, plot)
+    write_results("dspark_scaling", out_dir, target_name, runs, table + f"\n\n![scaling]({plot.name})")
+    print(table)
+    return {"runs": runs}
+
+
+def plot_scaling(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    tokens = [r["train_supervised_tokens"] for r in runs]
+    ax.plot(tokens, [r["accepted_length_t0"] for r in runs], marker="o", label="T = 0 (greedy)")
+    ax.plot(tokens, [r["accepted_length_t1"] for r in runs], marker="o", label="T = 1")
+    ax.set_xscale("log")
+    ax.set_xlabel("supervised training tokens")
+    ax.set_ylabel("held-out accepted length per round")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
