@@ -92,6 +92,7 @@ VALIDATION_CASES = [
     (["cost", "--hardware", "nope"], "unknown hardware"),
     (["cost", "--dtype", "nope"], "unknown dtype"),
     (["cost", "--positions", "0"], "positions"),
+    (["train", "--drafter", "dspark", "--data", "d", "--out", "o", "--max-conversations", "0"], "max-conversations"),
 ]
 
 

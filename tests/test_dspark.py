@@ -199,7 +199,7 @@ def test_sampling_is_lossless(markov_rank, draft_ids):
     decoder = SpeculativeDecoder(target, BlockDrafter(model), draft_length=3)
     params = SamplingParams(temperature=1.0)
     prompt = [3, 4, 5, 6]
-    n = 3000
+    n = 1500 if draft_ids is None else 3000  # the reduced vocabulary, whose q is zero on some tokens, gets more
     completions = decoder.generate(prompt, params, max_new_tokens=2, seed=5, num_samples=n)
     counts = Counter(tuple(c.token_ids) for c in completions)
     assert chi_square_pvalue(counts, exact_two_token_distribution(target, prompt, params), n) > 1e-3
