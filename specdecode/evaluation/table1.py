@@ -16,6 +16,7 @@ from specdecode.drafters.base import TreeSettings
 from specdecode.evaluation.harness import run_eval
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
+from specdecode.training.recipes import DEFAULT_DRAFT_VOCAB
 from specdecode.training.run import run_training
 from specdecode.training.trainer import TrainConfig
 
@@ -28,7 +29,14 @@ PAPER_QWEN3_8B = {
     "dflash": {"gsm8k": 5.33, "math500": 4.91, "aime25": 4.07, "humaneval": 4.64, "mt-bench": 3.11, "mean9": 4.07},
     "dspark": {"gsm8k": 6.17, "math500": 5.78, "aime25": 5.01, "humaneval": 5.52, "mt-bench": 3.72, "mean9": 4.81},
 }
-BLOCK_ARCHITECTURE = {"num_layers": 2, "block_size": 7, "markov_rank": 64, "num_anchors": 32}
+# `specdecode train`'s defaults for DFlash and DSpark (EAGLE-3's are its recipe's), the same draft vocabulary for all
+BLOCK_ARCHITECTURE = {
+    "num_layers": 2,
+    "block_size": 7,
+    "markov_rank": 64,
+    "num_anchors": 32,
+    "draft_vocab_size": DEFAULT_DRAFT_VOCAB,
+}
 
 
 def run_table1(
