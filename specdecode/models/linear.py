@@ -36,6 +36,13 @@ KERNELS = ("auto", "stock", "onednn", "few-rows")
 
 
 @functools.cache
+def kernels_digest() -> str:
+    """Names one build of the C++ kernels: their sources, this machine and torch (rebuilt, and replanned, on change)."""
+    sources = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+    return stable_digest([s.read_text() for s in sources] + [machine_key(), torch.__version__])
+
+
+@functools.cache
 def cpu_kernels_available() -> bool:
     """Build (once per machine, cached on disk) and load the runner's C++ kernels; False where that fails."""
     if hasattr(torch.ops.specdecode, "cached_attention"):
@@ -43,8 +50,7 @@ def cpu_kernels_available() -> bool:
     from torch.utils.cpp_extension import load
 
     sources = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
-    digest = stable_digest([s.read_text() for s in sources] + [machine_key(), torch.__version__])  # rebuilt on change
-    build = cache_dir() / "kernels" / digest
+    build = cache_dir() / "kernels" / kernels_digest()
     build.mkdir(parents=True, exist_ok=True)
     fresh = not any(build.glob("*.so"))
     if fresh:
@@ -99,7 +105,7 @@ def bfloat16_is_faster(rows: tuple[int, ...] = (1, 8)) -> bool:
     kernel) than in float32 (best kernel), at one row and at a verify pass's rows? Measured once per machine."""
     if not native_bfloat16():
         return False
-    path = cache_dir("kernel-plans") / f"bf16-vs-fp32-{machine_key()}-{torch.__version__}.json"
+    path = cache_dir("kernel-plans") / f"bf16-vs-fp32-{kernels_digest()}.json"
     if path.exists():
         return json.loads(path.read_text())["bfloat16_faster"]
     generator = torch.Generator().manual_seed(0)
@@ -110,7 +116,7 @@ def bfloat16_is_faster(rows: tuple[int, ...] = (1, 8)) -> bool:
         for lin in linears:
             if "onednn" in candidates(dtype, max(rows)):
                 lin.pack_onednn()
-        best[str(dtype)] = sum(min(_time_sweep(linears, k, m, 3) for k in candidates(dtype, m)) for m in rows)
+        best[str(dtype)] = sum(min(_time_sweeps(linears, candidates(dtype, m), m, 3).values()) for m in rows)
     faster = best["torch.bfloat16"] < best["torch.float32"]
     path.write_text(json.dumps({"bfloat16_faster": faster, "ms": best}))
     return faster
@@ -182,19 +188,23 @@ def candidates(dtype: torch.dtype, rows: int) -> list[str]:
     return kernels
 
 
-def _time_sweep(linears: list[Linear], kernel: str, rows: int, reps: int) -> float:
-    """Fastest ms of one pass of `rows` rows through every linear (the weights stream as in a real pass);
-    the fastest, not the median: another process can only slow a sweep down."""
-    dtype = torch.float32 if kernel == "few-rows" else linears[0].weight.dtype
-    inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], dtype=dtype) for lin in linears}
-    times = []
+def _time_sweeps(linears: list[Linear], kernels: list[str], rows: int, reps: int) -> dict[str, float]:
+    """Fastest ms of one pass of `rows` rows through every linear (the weights stream as in a real pass), per
+    kernel. The kernels take turns sweep by sweep, so a burst of another process's load hits them alike; the
+    fastest sweep, not the median, is kept: such load can only slow a sweep down."""
+    inputs = {}
+    for dtype in {torch.float32 if k == "few-rows" else linears[0].weight.dtype for k in kernels}:
+        inputs[dtype] = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], dtype=dtype) for lin in linears}
+    times: dict[str, list[float]] = {k: [] for k in kernels}
     for rep in range(reps + 1):
-        start = time.perf_counter()
-        for lin in linears:
-            lin.run(inputs[lin.weight.shape[1]], kernel)
-        if rep:  # the first sweep is a warm-up
-            times.append(time.perf_counter() - start)
-    return min(times) * 1000
+        for kernel in kernels:
+            x = inputs[torch.float32 if kernel == "few-rows" else linears[0].weight.dtype]
+            start = time.perf_counter()
+            for lin in linears:
+                lin.run(x[lin.weight.shape[1]], kernel)
+            if rep:  # the first sweep is a warm-up
+                times[kernel].append(time.perf_counter() - start)
+    return {k: round(min(t) * 1000, 3) for k, t in times.items()}
 
 
 def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int = 5) -> dict:
@@ -205,7 +215,7 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
         choice = {b: kernel if kernel in candidates(dtype, b) else "stock" for b in ROW_BUCKETS}
         timings: dict = {}
     else:
-        key = {**signature, "machine": machine_key(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+        key = {**signature, "kernels": kernels_digest(), "threads": torch.get_num_threads()}
         path = cache_dir() / "kernel-plans" / f"{stable_digest(key)}.json"
         cached = json.loads(path.read_text()) if path.exists() else None
         if cached and "few-rows" in cached["choice"].values() and not cpu_kernels_available():
@@ -219,7 +229,7 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
             timings = {}
             print("specdecode: timing linear kernels on this machine (once per model shape)", file=sys.stderr)
             for b in ROW_BUCKETS:
-                timings[b] = {k: round(_time_sweep(linears, k, b, reps), 3) for k in candidates(dtype, b)}
+                timings[b] = _time_sweeps(linears, candidates(dtype, b), b, reps)
             choice = {b: min(t, key=t.get) for b, t in timings.items()}
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"key": key, "choice": choice, "timings": timings}, indent=1))
