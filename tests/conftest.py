@@ -5,6 +5,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from specdecode.errors import SpecDecodeError
+from specdecode.models import registry
 from specdecode.models.target import Target
 
 
@@ -12,6 +14,21 @@ from specdecode.models.target import Target
 def smollm2() -> Target:
     """The real default target; tests that need it share one instance (and reset its cache)."""
     return Target.load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def converted_target() -> str:
+    """The default target, converted once and its runner's kernels built and timed for the CLI's thread
+    count: a first run on a machine prints a progress note for each, which the one-line checks must not see."""
+    from tests.test_cli_errors import run_cli
+
+    try:
+        source = registry.resolve(registry.DEFAULT_TARGET)
+    except SpecDecodeError as e:
+        pytest.skip(f"default target not available: {e}")
+    first = run_cli("generate", "hi", "--max-new-tokens", "1")
+    assert first.returncode == 0, first.stderr
+    return source
 
 
 def tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

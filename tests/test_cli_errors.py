@@ -12,9 +12,6 @@ import sys
 
 import pytest
 
-from specdecode.errors import SpecDecodeError
-from specdecode.models import registry
-
 CONTEXT = 8192  # max_position_embeddings of the default target, smollm2-135m
 LONG_PROMPT = "hello " * 9000  # 9001 tokens with SmolLM2's tokenizer; the test checks it from the error
 
@@ -40,19 +37,6 @@ def assert_one_line_error(done: subprocess.CompletedProcess, expected: str) -> s
     assert len(lines) == 1, done.stderr
     assert expected.lower() in lines[0].lower(), lines[0]
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def converted_target() -> str:
-    """The default target, converted once and its runner's kernels built and timed for the CLI's thread
-    count: a first run on a machine prints a progress note for each, which the one-line checks must not see."""
-    try:
-        source = registry.resolve(registry.DEFAULT_TARGET)
-    except SpecDecodeError as e:
-        pytest.skip(f"default target not available: {e}")
-    first = run_cli("generate", "hi", "--max-new-tokens", "1")
-    assert first.returncode == 0, first.stderr
-    return source
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel
 from specdecode.drafters.vocab import draft_index
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
+from specdecode.models.linear import FrozenLinear
 from specdecode.sampling import SamplingParams
 from specdecode.training.block_losses import block_attention_mask, sample_anchors, teacher, training_losses
 from specdecode.training.data import Example
@@ -211,6 +212,18 @@ def test_checkpoint_round_trip_and_target_check(tmp_path, smollm2):
     save_drafter(tmp_path / "d", "dspark", model, model.config.to_dict(), target, recipe={"steps": 0})
     loaded = load_drafter(tmp_path / "d", target)
     assert torch.equal(loaded.model.fc.weight, model.fc.weight)
+    # a loaded drafter is inference-only: every linear runs the kernels measured on this machine, and it
+    # drafts what the trained module drafts
+    assert not any(type(m) is torch.nn.Linear for m in loaded.model.modules())
+    assert any(isinstance(m, FrozenLinear) for m in loaded.model.layers[0].modules())
+    target.set_capture_layers(LAYERS)
+    out = target.forward(torch.arange(2, 14), logits=False)
+    proposals = []
+    for drafter in (BlockDrafter(model), loaded):
+        drafter.begin([5] * 13, SamplingParams(), torch.Generator(), TargetFeatures(out.layer_hidden, out.last_hidden))
+        proposals.append(drafter.propose([5] * 13, 4))
+    assert proposals[0].tokens.tolist() == proposals[1].tokens.tolist()
+    torch.testing.assert_close(proposals[0].confidences, proposals[1].confidences, atol=1e-5, rtol=1e-4)
     with pytest.raises(SpecDecodeError, match="trained for target"):
         load_drafter(tmp_path / "d", smollm2)
     # a checkpoint from before q/k norm existed (no key in its config) loads as it was trained: without it

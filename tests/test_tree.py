@@ -245,5 +245,5 @@ def test_cli_rejects_bad_tree_settings(tree, expected):
     assert_one_line_error(run_cli("generate", "Hi", "--tree", tree), expected)
 
 
-def test_cli_tree_with_a_chain_drafter_gives_one_line():
+def test_cli_tree_with_a_chain_drafter_gives_one_line(converted_target):
     assert_one_line_error(run_cli("generate", "Hi", "--drafter", "ngram", "--tree", "5,4,8"), "cannot draft trees")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from specdecode.drafters.checkpoint import load_state, read_weights
+from specdecode.drafters.checkpoint import frozen, load_state, read_weights
 from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel
 from specdecode.drafters.shipped import EXPORT_DTYPES, write_export
 from specdecode.drafters.vocab import vocab_maps
@@ -250,4 +250,4 @@ def load_engine_drafter(path: str | Path, target: Target) -> BlockDrafter:
     load_state(model, weights, path)
     if not model.vocab_maps_agree():
         raise SpecDecodeError(f"drafter {path} is broken: its d2t map is not an increasing set of target ids")
-    return BlockDrafter(model.to(target.device))
+    return BlockDrafter(frozen(model.to(target.device), c.kind))

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.linear import freeze_linears
 from specdecode.models.target import Target, first_line
 
 FORMAT_VERSION = 1
@@ -96,6 +97,12 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     load_state(model, read_weights(path), path)
 
 
+def frozen(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+    """A loaded drafter is inference-only: its linears take the kernels measured on this machine."""
+    freeze_linears(model.eval(), f"{kind}-drafter")
+    return model
+
+
 def load_drafter(path: str | Path, target: Target):
     """Build the drafter stored at `path` for `target`, refusing a checkpoint made for another target."""
     config = read_config(path)
@@ -115,7 +122,7 @@ def load_drafter(path: str | Path, target: Target):
         load_weights(model, path)
         if not model.vocab_maps_agree():
             raise SpecDecodeError(f"drafter checkpoint {path} is broken: its d2t and t2d vocabulary maps disagree")
-        return BlockDrafter(model.to(target.device))
+        return BlockDrafter(frozen(model.to(target.device), kind))
     if kind == "eagle3":
         from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
 
@@ -133,5 +140,5 @@ def load_drafter(path: str | Path, target: Target):
         load_weights(model, path)
         if not model.vocab_maps_agree():
             raise SpecDecodeError(f"drafter checkpoint {path} is broken: its d2t and t2d vocabulary maps disagree")
-        return Eagle3Drafter(model.to(target.device), fingerprint=config["target"].get("fingerprint"))
+        return Eagle3Drafter(frozen(model.to(target.device), kind), fingerprint=config["target"].get("fingerprint"))
     raise SpecDecodeError(f"drafter checkpoint {path} has unknown kind '{kind}'")
