@@ -17,9 +17,10 @@ Variants, all greedy (temperature 0) on the same target and prompts, interleaved
   engines' format (`drafters/eagle3_export.py`), inside vLLM (`method: "eagle3"`, 7 speculative tokens):
   the same weights in two engines, with each engine's own accepted length;
 - with `--dflash RUN/drafter` (a fill-in DFlash) and `--dspark RUN/drafter` (default with vLLM: the shipped
-  drafter): the same in vLLM's format (`drafters/block_export.py`, methods `dflash` / `dspark`). Where
-  vLLM's CPU build refuses a method, the table says its exact error; for both, vLLM's own drafter class is
-  also fed one block of a real prompt (`export_check.py`) and its logits compared with ours.
+  drafter): in specdecode as a chain (and, for a drafter with confidences, under the prefix scheduler, as
+  `specdecode demo` runs it), and the same in vLLM's format (`drafters/block_export.py`, methods `dflash` /
+  `dspark`). Where vLLM's CPU build refuses a method, the table says its exact error; for both, vLLM's own
+  drafter class is also fed one block of a real prompt (`export_check.py`) and its logits compared with ours.
 Speedups are medians over prompts of the per-prompt tokens/s ratio to transformers' plain greedy.
 Outputs are compared with specdecode's normal decoding after stripping end-of-sequence tokens.
 """
@@ -41,6 +42,7 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle3_export import export_eagle3
 from specdecode.drafters.shipped import shipped_drafter
 from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.engine.scheduler import has_confidences
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.baselines import PROMPT_GROUPS
 from specdecode.evaluation.benchmarks import load_benchmark
@@ -62,8 +64,8 @@ def peer_prompts(per_benchmark: int = 2) -> list[tuple[str, str]]:
     return prompts
 
 
-def specdecode_variant(target: Target, drafter: Drafter, draft_length: int) -> Variant:
-    decoder = SpeculativeDecoder(target, drafter, draft_length)
+def specdecode_variant(target: Target, drafter: Drafter, draft_length: int, scheduler: str = "fixed") -> Variant:
+    decoder = SpeculativeDecoder(target, drafter, draft_length, scheduler=scheduler)
 
     def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float | None]:
         completion = decoder.generate(ids, SamplingParams(), max_new_tokens)[0]
@@ -166,6 +168,8 @@ def run_peers(
         drafter = build_drafter(str(source), target)
         n, label = drafter.config.draft_length, {"dflash": "DFlash", "dspark": "DSpark"}[method]
         variants[f"specdecode {label} (chain {n})"] = specdecode_variant(target, drafter, n)
+        if has_confidences(drafter):  # what `specdecode demo` runs: verify only the drafts that pay here
+            variants[f"specdecode {label} (prefix scheduler)"] = specdecode_variant(target, drafter, n, "prefix")
         if not vllm_python:
             continue
         draft_dir = Path(exported.name) / method
