@@ -715,10 +715,8 @@ def cmd_export(args) -> None:
     from specdecode.drafters.block_export import export_block
     from specdecode.drafters.checkpoint import read_config
     from specdecode.drafters.eagle3_export import export_eagle3
-    from specdecode.drafters.shipped import EXPORT_DTYPES, export_drafter
+    from specdecode.drafters.shipped import export_drafter
 
-    if args.dtype is not None and args.dtype not in EXPORT_DTYPES:
-        raise SpecDecodeError(f"unknown export dtype '{args.dtype}'; choose one of {', '.join(EXPORT_DTYPES)}")
     if args.format == "eagle3":
         dtype = args.dtype or "float32"
         out = export_eagle3(args.source, args.destination, dtype)

@@ -125,7 +125,7 @@ def test_export_command_errors_are_one_line(tmp_path, capsys):
     for argv, message in [
         (["export", str(tmp_path / "eagle"), str(tmp_path / "x"), "--format", "dspark"], "exports block drafters"),
         (
-            ["export", str(tmp_path / "eagle"), str(tmp_path / "x"), "--format", "dflash", "--dtype", "int3"],
+            ["export", str(tmp_path / "eagle"), str(tmp_path / "x"), "--format", "eagle3", "--dtype", "int3"],
             "unknown export dtype",
         ),
     ]:

@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from specdecode.drafters.checkpoint import frozen, load_state, read_weights
 from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel
-from specdecode.drafters.shipped import EXPORT_DTYPES, write_export
+from specdecode.drafters.shipped import cast, export_dtype, write_export
 from specdecode.drafters.vocab import vocab_maps
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import resolve
@@ -97,6 +97,7 @@ def export_block(
     reason = refusal(c, fmt)
     if reason:
         raise SpecDecodeError(f"cannot export {source} as {fmt}: {reason}")
+    export_dtype(dtype)  # before reading anything
     target_dir = Path(target_dir or resolve(config["target"]["name"]))
     target_config = json.loads((target_dir / "config.json").read_text())
     weights = {engine_key(k): v for k, v in read_weights(source).items()}
@@ -107,8 +108,7 @@ def export_block(
         if "markov_head.markov_w1.weight" in weights:
             w1 = weights["markov_head.markov_w1.weight"]
             weights["markov_head.markov_w1.weight"] = torch.cat([w1, w1.new_zeros(1, w1.shape[1])])
-    cast = EXPORT_DTYPES[dtype]
-    weights = {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
+    weights = cast(weights, dtype)
     layer_ids = list(c.target_layer_ids)
     engine_config = {
         "architectures": [ARCHITECTURES[fmt]],

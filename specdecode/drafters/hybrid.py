@@ -29,7 +29,7 @@ import torch
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
 from specdecode.drafters.suffix import SuffixDrafter, expected_accepted
 from specdecode.machine import machine_info, measurement_file
-from specdecode.models.linear import stable_digest
+from specdecode.models.linear import kernels_digest, stable_digest
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
@@ -62,6 +62,7 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
         "hybrid_round_costs": stable_digest([model.name, identity]),
         "context": context,
         "machine": machine_info(),
+        "kernels": kernels_digest(),
     }
     path = measurement_file("sps", key)
     if path.exists():

@@ -26,12 +26,22 @@ def shipped_drafter(target_name: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
+def export_dtype(name: str) -> torch.dtype:
+    if name not in EXPORT_DTYPES:
+        raise SpecDecodeError(f"unknown export dtype '{name}'; choose one of {', '.join(EXPORT_DTYPES)}")
+    return EXPORT_DTYPES[name]
+
+
+def cast(weights: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """`weights` with the floating-point tensors cast to `dtype` (index buffers untouched)."""
+    to = export_dtype(dtype)
+    return {k: (v.to(to) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
+
+
 def cast_weights(source: str | Path, dtype: str) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors with the floating-point ones cast to `dtype` (index buffers untouched)."""
-    if dtype not in EXPORT_DTYPES:
-        raise SpecDecodeError(f"unknown export dtype '{dtype}'; choose one of {', '.join(EXPORT_DTYPES)}")
-    weights = load_file(str(Path(source) / "model.safetensors"))
-    return {k: (v.to(EXPORT_DTYPES[dtype]) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
+    export_dtype(dtype)  # before reading anything
+    return cast(load_file(str(Path(source) / "model.safetensors")), dtype)
 
 
 def write_export(source: str | Path, destination: str | Path, weights: dict[str, torch.Tensor], config: dict) -> Path:

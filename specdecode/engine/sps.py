@@ -19,6 +19,7 @@ import torch
 
 from specdecode.errors import SpecDecodeError
 from specdecode.machine import machine_info, measurement_file
+from specdecode.models.linear import kernels_digest
 
 if TYPE_CHECKING:
     from specdecode.models.target import Target
@@ -74,8 +75,9 @@ def load_or_profile(
     reps: int = 5,
     refresh: bool = False,
 ) -> StepCostTable:
-    """The cached table for `key` (plus this machine's identity), profiling it first when missing."""
-    key = {**key, "machine": machine_info(), "sizes": list(sizes)}
+    """The cached table for `key` (plus this machine's identity and the runner kernels' build), profiling it
+    first when missing."""
+    key = {**key, "machine": machine_info(), "kernels": kernels_digest(), "sizes": list(sizes)}
     path = measurement_file("sps", key)
     if path.exists() and not refresh:
         try:
