@@ -157,8 +157,7 @@ class Linear:
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, shape[-1])
         kernel = self.plan.get(bucket(x.shape[0]), "stock")
-        # the few-rows kernel takes float32 rows for either weight dtype; the others want the weights' dtype
-        y = self.run(x if kernel == "few-rows" else x.to(self.weight.dtype), kernel).to(dtype)
+        y = self.run(x.to(input_dtype(kernel, self.weight.dtype)), kernel).to(dtype)
         return y.view(*shape[:-1], y.shape[-1])
 
 
@@ -191,6 +190,11 @@ def freeze_linears(module: nn.Module, label: str, kernel: str = "auto") -> None:
         setattr(parent, name, FrozenLinear(lin))
 
 
+def input_dtype(kernel: str, weight_dtype: torch.dtype) -> torch.dtype:
+    """The few-rows kernel takes float32 rows for either weight dtype; the others want the weights' dtype."""
+    return torch.float32 if kernel == "few-rows" else weight_dtype
+
+
 def bucket(rows: int) -> int:
     return next((b for b in ROW_BUCKETS if b >= rows), ROW_BUCKETS[-1])
 
@@ -209,13 +213,14 @@ def _time_sweeps(linears: list[Linear], kernels: list[str], rows: int, reps: int
     """Fastest ms of one pass of `rows` rows through every linear (the weights stream as in a real pass), per
     kernel. The kernels take turns sweep by sweep, so a burst of another process's load hits them alike; the
     fastest sweep, not the median, is kept: such load can only slow a sweep down."""
+    weights = linears[0].weight.dtype
     inputs = {}
-    for dtype in {torch.float32 if k == "few-rows" else linears[0].weight.dtype for k in kernels}:
+    for dtype in {input_dtype(k, weights) for k in kernels}:
         inputs[dtype] = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], dtype=dtype) for lin in linears}
     times: dict[str, list[float]] = {k: [] for k in kernels}
     for rep in range(reps + 1):
         for kernel in kernels:
-            x = inputs[torch.float32 if kernel == "few-rows" else linears[0].weight.dtype]
+            x = inputs[input_dtype(kernel, weights)]
             start = time.perf_counter()
             for lin in linears:
                 lin.run(x[lin.weight.shape[1]], kernel)
