@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default="docs/results")
     e.add_argument("--name", default="eval", help="results file name under --out")
 
-    cal = sub.add_parser("calibrate", help="fit a DSpark drafter's confidence temperatures (STS); reliability report")
+    cal = sub.add_parser("calibrate", help="fit a DSpark drafter's confidence calibration (STS); reliability report")
     _add_target_args(cal)
     cal.add_argument("--drafter", required=True, help="a DSpark checkpoint folder (its config.json is updated)")
     cal.add_argument("--data", required=True, help="the data folder it was trained on (those prompts are skipped)")
@@ -708,7 +708,11 @@ def cmd_calibrate(args) -> None:
         target, args.drafter, args.data, args.out, args.name, args.prompts, args.temperature, args.max_new_tokens
     )
     temperatures = ", ".join(f"{t:.2f}" for t in result["temperatures"])
-    _note(f"temperatures [{temperatures}] written to {args.drafter}/config.json; report in {args.out}/{args.name}.md")
+    biases = ", ".join(f"{b:+.1f}" for b in result["biases"])
+    _note(
+        f"temperatures [{temperatures}] and biases [{biases}] written to {args.drafter}/config.json; "
+        f"report in {args.out}/{args.name}.md"
+    )
 
 
 def cmd_export(args) -> None:

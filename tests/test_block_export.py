@@ -44,6 +44,7 @@ def saved(tmp_path, target, name, **kwargs):
     model = make_model(target, **kwargs)
     kind = "dspark" if kwargs.get("markov_rank", 8) else "dflash"
     model.config.calibration_temperatures = [1.5, 0.8, 1.2, 0.9][: model.config.draft_length]
+    model.config.calibration_biases = [-0.3, 0.0, 0.2, 0.1][: model.config.draft_length]
     return save_drafter(tmp_path / name, kind, model, model.config.to_dict(), target)
 
 
@@ -96,6 +97,7 @@ def test_round_trip_gives_identical_proposals(tmp_path, target_dir, fmt, draft_i
     ours = build_drafter(str(source), target)
     back = build_drafter(str(out), target)  # --drafter accepts the exported folder
     assert back.config.calibration_temperatures == ours.config.calibration_temperatures
+    assert back.config.calibration_biases == ours.config.calibration_biases
     for params in (SamplingParams(), SamplingParams(temperature=1.0)):
         for a, b in zip(proposals(ours, target, params), proposals(back, target, params), strict=True):
             assert a.tokens.tolist() == b.tokens.tolist()

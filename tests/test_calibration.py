@@ -1,20 +1,21 @@
-"""STS calibration: the measures (ECE, AUROC), the sequential fit, and recording real decoding rounds."""
+"""STS calibration: the measures (ECE, its floor, AUROC), the sequential fit, and recording real decoding rounds."""
 
 import json
 
 import pytest
 import torch
 
-from specdecode.drafters.checkpoint import read_config, save_drafter
+from specdecode.drafters.checkpoint import load_drafter, read_config, save_drafter
 from specdecode.drafters.dspark import BlockDrafter
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
-from specdecode.evaluation.calibration_report import record_rounds, write_temperatures
+from specdecode.evaluation.calibration_report import record_rounds, write_calibration
 from specdecode.sampling import SamplingParams
 from specdecode.training.calibration import (
     RoundRecorder,
     Rounds,
     auroc,
+    calibrated_ece_floor,
     cumulative_confidence,
     expected_calibration_error,
     fit_sequential_temperatures,
@@ -39,12 +40,21 @@ def test_auroc_orders_and_ties():
     assert auroc(torch.tensor([0.1, 0.3, 0.2, 0.4]), label) == pytest.approx(0.75)
 
 
-def synthetic_rounds(n: int = 20_000, true_temperatures=(2.0, 0.5, 1.0), seed: int = 0) -> Rounds:
-    """Logits whose real conditional survival is sigmoid(z_k / T_k): STS should find the T_k."""
+def test_ece_floor_is_the_sampling_noise_of_a_calibrated_predictor():
+    g = torch.Generator().manual_seed(0)
+    small, large = (torch.rand(n, generator=g, dtype=torch.float64) * 0.6 for n in (500, 50_000))
+    assert 0.01 < calibrated_ece_floor(small) < 0.08  # a few hundred rounds: percent-level noise
+    assert calibrated_ece_floor(large) < 0.25 * calibrated_ece_floor(small)  # ~1/sqrt(n)
+    labels = torch.bernoulli(large, generator=g)
+    assert expected_calibration_error(large, labels) < 3 * calibrated_ece_floor(large)
+
+
+def synthetic_rounds(n: int = 20_000, true_temperatures=(2.0, 0.5, 1.0), true_biases=(0.0, 0.0, 0.0), seed=0):
+    """Logits whose real conditional survival is sigmoid(z_k / T_k + b_k): STS should find the T_k and b_k."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, len(true_temperatures), generator=g, dtype=torch.float64) * 3
     survive = torch.rand(n, len(true_temperatures), generator=g, dtype=torch.float64) < torch.sigmoid(
-        logits / torch.tensor(true_temperatures, dtype=torch.float64)
+        logits / torch.tensor(true_temperatures, dtype=torch.float64) + torch.tensor(true_biases, dtype=torch.float64)
     )
     accepted = torch.cumprod(survive.double(), 1).sum(1)  # drafts accepted until the first failure
     return Rounds(logits, accepted)
@@ -52,7 +62,7 @@ def synthetic_rounds(n: int = 20_000, true_temperatures=(2.0, 0.5, 1.0), seed: i
 
 def test_sequential_fit_recovers_the_temperatures():
     fit_half, report_half = synthetic_rounds().split()
-    fit = fit_sequential_temperatures(fit_half)
+    fit = fit_sequential_temperatures(fit_half, bias_grid=torch.zeros(1, dtype=torch.float64))  # the paper's STS
     # ECE of a binned product pins T_k only loosely (a flat minimum), hence the tolerance
     assert fit.temperatures == pytest.approx([2.0, 0.5, 1.0], rel=0.3)
     assert fit.temperatures[0] > 1.5 and fit.temperatures[1] < 0.8
@@ -60,6 +70,19 @@ def test_sequential_fit_recovers_the_temperatures():
     assert report[0]["ece_after"] < 0.02 < report[0]["ece_before"]
     assert report[1]["ece_after"] < report[1]["ece_before"]
     assert all(0.7 < r["auroc"] <= 1.0 for r in report)
+
+
+def test_a_bias_mends_what_no_temperature_can():
+    """Logits below 0 that overstate survival (shifted by -1): temperature-only STS stays off, the bias fits."""
+    fit_half, report_half = synthetic_rounds(true_temperatures=(1.0, 1.0), true_biases=(-1.0, 0.5)).split()
+    paper = fit_sequential_temperatures(fit_half, bias_grid=torch.zeros(1, dtype=torch.float64))
+    ours = fit_sequential_temperatures(fit_half)
+    assert ours.biases[0] == pytest.approx(-1.0, abs=0.35)
+    assert ours.temperatures[0] == pytest.approx(1.0, rel=0.3)
+    for k in range(2):
+        with_bias = per_position_report(report_half, ours.temperatures, ours.biases)[k]["ece_after"]
+        without = per_position_report(report_half, paper.temperatures)[k]["ece_after"]
+        assert with_bias < 0.02 and with_bias < without
 
 
 def test_labels_follow_prefix_survival_and_proposal_length():
@@ -93,11 +116,23 @@ def test_calibration_refuses_a_drafter_without_confidences(tmp_path):
         record_rounds(target, str(tmp_path / "d"), [[{"role": "user", "content": "t3 t4"}]], SamplingParams(), 4)
 
 
-def test_temperatures_are_stored_and_used(tmp_path):
+def test_calibration_is_stored_and_used(tmp_path):
     target = tiny_target(vocab_size=24)
     model = make_model(target)
+    save_drafter(tmp_path / "raw", "dspark", model, model.config.to_dict(), target)
     save_drafter(tmp_path / "d", "dspark", model, model.config.to_dict(), target)
-    write_temperatures(str(tmp_path / "d"), [2.0, 1.0, 1.0, 0.5], {"method": "test"})
+    temperatures, biases = [2.0, 1.0, 1.0, 0.5], [0.5, -1.0, 0.0, 0.25]
+    write_calibration(str(tmp_path / "d"), temperatures, biases, {"method": "test"})
     config = read_config(tmp_path / "d")
-    assert config["architecture"]["calibration_temperatures"] == [2.0, 1.0, 1.0, 0.5]
+    assert config["architecture"]["calibration_temperatures"] == temperatures
+    assert config["architecture"]["calibration_biases"] == biases
     assert json.loads((tmp_path / "d" / "config.json").read_text())["calibration"] == {"method": "test"}
+
+    logits = {}  # at T = 0 the rounds are the same whatever the confidences; only the confidences move
+    for name in ("raw", "d"):
+        recorder = RoundRecorder(load_drafter(str(tmp_path / name), target), gamma=4)
+        SpeculativeDecoder(target, recorder, draft_length=4).generate([3, 4, 5], SamplingParams(), 20)
+        logits[name] = recorder.rounds().logits
+    t, b = (torch.tensor(x, dtype=torch.float64) for x in (temperatures, biases))
+    expected = logits["raw"] / t + b
+    torch.testing.assert_close(logits["d"], expected, rtol=1e-4, atol=1e-4, equal_nan=True)

@@ -140,6 +140,7 @@ def export_block(
         "specdecode": {
             "target": config["target"],
             "calibration_temperatures": c.calibration_temperatures,
+            "calibration_biases": c.calibration_biases,
             "recipe": config.get("recipe", {}),
         },
     }
@@ -211,6 +212,7 @@ def import_config(config: dict, target: Target, path: Path) -> DSparkConfig:
         confidence_head=fmt == "dspark" and bool(config.get("enable_confidence_head")),
         sample_from_anchor=fmt == "dspark" and config.get("sample_from_anchor", True),
         calibration_temperatures=list(extra.get("calibration_temperatures", [])),
+        calibration_biases=list(extra.get("calibration_biases", [])),
     )
 
 

@@ -32,6 +32,7 @@ from specdecode.drafters.layers import DecoderBlock, Rotary
 from specdecode.drafters.vocab import draft_ids_of, maps_agree, vocab_maps
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, probabilities, sample
+from specdecode.training.calibration import calibrated_confidence
 
 
 @dataclass
@@ -59,6 +60,7 @@ class DSparkConfig:
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
     calibration_temperatures: list[float] = field(default_factory=list)  # per position, from STS
+    calibration_biases: list[float] = field(default_factory=list)  # per position, from STS; [] = 0
     draft_vocab_size: int = 0  # 0: the target's whole vocabulary through its shared LM head
 
     @property
@@ -306,10 +308,13 @@ class BlockDrafter(Drafter):
             return model.to_target(tokens)
 
         logits, conf, tokens = model.sequential(h, model.draft_logits(h), anchors, choose=choose)
-        temps = torch.tensor(c.calibration_temperatures or [1.0] * c.draft_length)
         for i, r in enumerate(rows):
             d, n = drafters[r], max_tokens[r]
-            confidences = None if conf is None else torch.sigmoid(conf[i, :n] / temps[:n])
+            confidences = (
+                None
+                if conf is None
+                else calibrated_confidence(conf[i, :n], c.calibration_temperatures, c.calibration_biases)
+            )
             probs = model.target_probs(torch.stack(drawn_from[r][:n])) if d._samples else None
             proposals[r] = Proposal(tokens=tokens[i, :n], probs=probs, confidences=confidences)
         return proposals

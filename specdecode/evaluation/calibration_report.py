@@ -1,10 +1,11 @@
-"""`specdecode calibrate`: fit STS temperatures for a DSpark checkpoint and write its reliability report.
+"""`specdecode calibrate`: fit STS temperatures and biases for a DSpark checkpoint; its reliability report.
 
 Rounds are recorded by decoding prompts the drafter never trained on: prompts of the training mix that
 were not regenerated into the data folder (same distribution, disjoint ids and texts). Recording is
 resumable (one JSONL line per prompt under the cache). Half of the rounds (interleaved) fit the
-temperatures, the other half measures ECE before and after, so the reported gain is not measured on
-the data it was fitted to. The temperatures are written into the checkpoint's config.json.
+map, the other half measures ECE before and after, so the reported gain is not measured on the data it
+was fitted to; next to it, the ECE a perfectly calibrated predictor would show on the same rounds (the
+sampling-noise floor of a binned ECE). The map is written into the checkpoint's config.json.
 """
 
 import hashlib
@@ -53,6 +54,7 @@ def record_rounds(
     if not getattr(drafter.config, "confidence_head", False):
         raise SpecDecodeError(f"{drafter_path} is a {drafter.name} drafter without a confidence head")
     drafter.config.calibration_temperatures = []  # record raw confidences
+    drafter.config.calibration_biases = []
     gamma = drafter.config.draft_length
     digest = hashlib.sha256(Path(drafter_path, "model.safetensors").read_bytes())
     digest.update(f"{params} {max_new_tokens}".encode())
@@ -75,10 +77,11 @@ def record_rounds(
     return Rounds(logits, accepted)
 
 
-def write_temperatures(drafter_path: str, temperatures: list[float], details: dict) -> None:
+def write_calibration(drafter_path: str, temperatures: list[float], biases: list[float], details: dict) -> None:
     path = Path(drafter_path) / "config.json"
     config = read_config(drafter_path)
     config["architecture"]["calibration_temperatures"] = temperatures
+    config["architecture"]["calibration_biases"] = biases
     config["calibration"] = details
     path.write_text(json.dumps(config, indent=1) + "\n")
 
@@ -98,40 +101,42 @@ def run_calibration(
     rounds = record_rounds(target, drafter_path, prompts, params, max_new_tokens)
     fit_half, report_half = rounds.split()
     fit = fit_sequential_temperatures(fit_half)
-    report = per_position_report(report_half, fit.temperatures)
+    report = per_position_report(report_half, fit.temperatures, fit.biases)
     details = {
-        "method": "sequential temperature scaling",
+        "method": "sequential temperature scaling with a bias per position",
         "decoding_temperature": temperature,
         "prompts": num_prompts,
         "rounds_fit": len(fit_half.accepted),
         "rounds_report": len(report_half.accepted),
     }
-    write_temperatures(drafter_path, fit.temperatures, details)
+    write_calibration(drafter_path, fit.temperatures, fit.biases, details)
     plot = Path(out_dir) / f"{name}_reliability.png"
-    _plot_reliability(report_half, fit.temperatures, plot)
+    _plot_reliability(report_half, fit.temperatures, fit.biases, plot)
     table = _table(report) + f"\n\n![reliability]({plot.name})\n"
     write_results(name, out_dir, target.name, report, table, drafter=drafter_path, calibration=details)
-    return {"temperatures": fit.temperatures, "positions": report}
+    return {"temperatures": fit.temperatures, "biases": fit.biases, "positions": report}
 
 
 def _table(report: list[dict]) -> str:
     lines = [
         "Per draft position k: ECE of the cumulative confidence prod_{i<=k} c_i against whether drafts 1..k all "
-        "survived, on held-out rounds (the fit used the other half).",
+        "survived, on held-out rounds (the fit used the other half); c_i = sigmoid(z_i / T_i + b_i). ECE floor: "
+        "the ECE a perfectly calibrated predictor shows on the same rounds (mean of 200 draws of the labels).",
         "",
-        "| k | rounds | survival | predicted before | predicted after | ECE before | ECE after | AUROC | T_k |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| k | rounds | survival | predicted before | predicted after | ECE before | ECE after | ECE floor | AUROC "
+        "| T_k | b_k |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report:
         lines.append(
             f"| {r['position']} | {r['rounds']} | {r['survival_rate']:.3f} | {r['mean_predicted_before']:.3f} | "
             f"{r['mean_predicted_after']:.3f} | {100 * r['ece_before']:.1f}% | {100 * r['ece_after']:.1f}% | "
-            f"{r['auroc']:.3f} | {r['temperature']:.2f} |"
+            f"{100 * r['ece_floor']:.1f}% | {r['auroc']:.3f} | {r['temperature']:.2f} | {r['bias']:+.1f} |"
         )
     return "\n".join(lines)
 
 
-def _plot_reliability(rounds: Rounds, temperatures: list[float], path: Path) -> None:
+def _plot_reliability(rounds: Rounds, temperatures: list[float], biases: list[float], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,8 +145,8 @@ def _plot_reliability(rounds: Rounds, temperatures: list[float], path: Path) -> 
     labels = rounds.labels()
     gamma = rounds.logits.shape[1]
     curves = {
-        "before (T=1)": cumulative_confidence(rounds.logits, torch.ones(gamma, dtype=torch.float64)),
-        "after STS": cumulative_confidence(rounds.logits, torch.tensor(temperatures, dtype=torch.float64)),
+        "before (raw)": cumulative_confidence(rounds.logits, []),
+        "after STS": cumulative_confidence(rounds.logits, temperatures, biases),
     }
     shown = sorted({0, 1, 2, gamma // 2, gamma - 1} & set(range(gamma)))
     fig, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.4), squeeze=False)

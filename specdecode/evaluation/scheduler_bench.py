@@ -26,7 +26,7 @@ from specdecode.evaluation.load import measure_quietly
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
-from specdecode.training.calibration import Rounds
+from specdecode.training.calibration import Rounds, calibrated_confidence
 
 NORMAL = "normal decoding (no drafts, no drafting)"
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -109,10 +109,11 @@ def run_scheduler_bench(
     drafter = load_drafter(drafter_path, target)
     gamma = drafter.config.draft_length
     temperatures = list(drafter.config.calibration_temperatures) or [1.0] * gamma
+    biases = list(drafter.config.calibration_biases) or [0.0] * gamma
     costs = profile_target(target, sizes=PROFILE_SIZES)
     draft_s = measure_draft_seconds(target, drafter, prompts, params, requests)
 
-    confidences = torch.nan_to_num(torch.sigmoid(rounds.logits / torch.tensor(temperatures)), nan=0.0)
+    confidences = torch.nan_to_num(calibrated_confidence(rounds.logits, temperatures, biases), nan=0.0)
     runs = []
     for r in requests:
 
@@ -144,6 +145,7 @@ def run_scheduler_bench(
         draft_seconds_by_requests=draft_s,
         cost_table=costs.to_dict(),
         calibration_temperatures=temperatures,
+        calibration_biases=biases,
         recorded_rounds=len(rounds.accepted),
         decoding_temperature=temperature,
     )
