@@ -270,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--scheduler", default="fixed", choices=["prefix", "fixed", "threshold"])
     sv.add_argument("--draft-length", type=int, default=7, help="most draft tokens verified per request and step")
     sv.add_argument("--threshold", type=float, default=0.5, help="for --scheduler threshold: the confidence cut")
+    sv.add_argument(
+        "--no-drafting-gate",
+        action="store_true",
+        help="with --scheduler prefix: draft every step, even where the measured costs say drafting will not pay",
+    )
     sv.add_argument("--max-batch", type=int, default=8, help="requests in the running batch (KV slots)")
     sv.add_argument("--max-len", type=int, default=2048, help="tokens per request: prompt + completion")
     sv.add_argument("--host", default="127.0.0.1")
@@ -747,7 +752,9 @@ def cmd_serve(args) -> None:
 
     target = _load_target(args)
     drafter = build_drafter(args.drafter, target)
-    config = EngineConfig(args.max_batch, args.max_len, args.draft_length, args.scheduler, args.threshold)
+    config = EngineConfig(
+        args.max_batch, args.max_len, args.draft_length, args.scheduler, args.threshold, not args.no_drafting_gate
+    )
     if args.scheduler == "prefix" and has_confidences(drafter):
         _note("measuring this machine's SPS(B) table for the prefix scheduler (cached after the first time)")
     engine = ContinuousEngine(target, drafter, config)

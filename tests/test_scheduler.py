@@ -133,12 +133,14 @@ def test_replay_counts_tokens_and_costs():
 
 @pytest.mark.parametrize("mode", ["prefix", "threshold"])
 def test_scheduled_decoding_stays_lossless(mode, tmp_path, monkeypatch):
-    """Verifying only a confident prefix of each DSpark block changes speed, never the output."""
+    """Verifying only a confident prefix of each DSpark block changes speed, never the output; nor does the
+    drafting gate's skipping of rounds (made to alternate here, whatever the tiny target's costs say)."""
     from collections import Counter
 
     from specdecode.drafters.base import Drafter
     from specdecode.drafters.dspark import BlockDrafter
     from specdecode.engine.decode import SpeculativeDecoder
+    from specdecode.engine.drafting_gate import DraftingGate
     from specdecode.sampling import SamplingParams
     from tests.conftest import tiny_target
     from tests.test_dspark import make_model
@@ -146,6 +148,7 @@ def test_scheduled_decoding_stays_lossless(mode, tmp_path, monkeypatch):
     from tests.test_verify import chi_square_pvalue
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the SPS table is profiled into a fresh cache
+    monkeypatch.setattr(DraftingGate, "should_draft", lambda gate, yields: gate.steps_without >= 1)
     target = tiny_target(vocab_size=12)
     decoder = SpeculativeDecoder(target, BlockDrafter(make_model(target)), 4, scheduler=mode, threshold=0.3)
     prompt = [3, 4, 5, 6]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.linear import stable_digest
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
@@ -131,3 +132,13 @@ class Drafter:
 
     def end(self, ids: list[int]) -> None:
         """The completion is over; `ids` is its whole sequence (prompt and output)."""
+
+
+def cost_digest(drafter: Drafter) -> str:
+    """What a drafter's cost depends on: its kind and configuration, and those of the drafter it wraps."""
+    parts = []
+    while isinstance(drafter, Drafter):
+        config = getattr(drafter, "config", None)
+        parts.append([drafter.name, config.to_dict() if hasattr(config, "to_dict") else None])
+        drafter = getattr(drafter, "model", None)
+    return stable_digest(parts)

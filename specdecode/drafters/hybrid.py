@@ -26,10 +26,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
+from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures, cost_digest
 from specdecode.drafters.suffix import SuffixDrafter, expected_accepted
 from specdecode.machine import machine_info, measurement_file
-from specdecode.models.linear import kernels_digest, stable_digest
+from specdecode.models.linear import kernels_digest
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
@@ -53,13 +53,11 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
     """Median seconds of a round without and with the model's drafting (a verify pass over 4 / 8 positions
     after `context` tokens; plus drafting 7 tokens), measured once and cached per machine, target and
     drafter under `$XDG_CACHE_HOME/specdecode/sps/`."""
-    config = getattr(model, "config", None)
-    identity = config.to_dict() if hasattr(config, "to_dict") else model.name
     key = {
         "target": target.name,
         "kernel": target.kernel,
         "dtype": str(target.dtype),
-        "hybrid_round_costs": stable_digest([model.name, identity]),
+        "hybrid_round_costs": cost_digest(model),
         "context": context,
         "machine": machine_info(),
         "kernels": kernels_digest(),

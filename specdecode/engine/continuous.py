@@ -2,8 +2,10 @@
 
 A background thread runs the loop. Between steps, queued requests join while KV slots are free (their
 prompt is prefilled in its own pass) and finished or cancelled ones leave and free their slot. Each step:
-every running request's drafter proposes (in one batched call where the drafter has one); the scheduler
-(`engine/scheduler.py`) decides how many drafts of each to verify; one batched pass (`engine/batch.py`)
+every running request's drafter proposes (in one batched call where the drafter has one), unless the
+drafting gate (`engine/drafting_gate.py`, with the prefix scheduler) predicts that drafting will not pay
+this step; the scheduler (`engine/scheduler.py`) decides how many drafts of each to verify, counting the
+step's drafting time in its cost; one batched pass (`engine/batch.py`)
 verifies them all; each request accepts with its own sampling settings and seed, commits, streams its new
 text and records its round. Per request the loop is the one of `engine/decode.py` (same limit, EOS, stop
 strings, streaming), so at temperature 0 a request's tokens are normal greedy decoding's, whatever else
@@ -28,6 +30,7 @@ from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
 from specdecode.engine.batch import BatchedTarget, VerifyRow, profile_batched_pass, verify_batch
 from specdecode.engine.decode import Completion, stream_safe
 from specdecode.engine.detokenize import IncrementalText
+from specdecode.engine.drafting_gate import DraftingGate, DraftYield, profile_drafting
 from specdecode.engine.metrics import EngineMetrics
 from specdecode.engine.scheduler import SCHEDULER_MODES, has_confidences, schedule
 from specdecode.engine.stats import DecodeStats
@@ -48,6 +51,7 @@ class EngineConfig:
     draft_length: int = 7
     scheduler: str = "fixed"  # prefix | threshold | fixed
     threshold: float = 0.5
+    gate: bool = True  # with the prefix scheduler: skip drafting in steps where it is not expected to pay
 
 
 class RequestHandle:
@@ -120,6 +124,7 @@ class _Sequence:
     stats: DecodeStats
     started: float
     detok: IncrementalText
+    drafting: DraftYield
     streamed: str = ""
     last_emit: float = 0.0
     finished: bool = False
@@ -138,7 +143,10 @@ class ContinuousEngine:
         drafter: Drafter,
         config: EngineConfig = EngineConfig(),
         steps_per_s: Callable[[int], float] | None = None,
+        draft_s: Callable[[int], float] | None = None,
     ) -> None:
+        """`steps_per_s(B)` and `draft_s(R)`: the measured cost tables of the prefix scheduler and the drafting
+        gate (profiled on this machine and cached when not given)."""
         if config.scheduler not in SCHEDULER_MODES:
             raise SpecDecodeError(f"unknown scheduler '{config.scheduler}'; choose one of {', '.join(SCHEDULER_MODES)}")
         if config.scheduler != "fixed" and not has_confidences(drafter):
@@ -156,6 +164,11 @@ class ContinuousEngine:
             max_tokens = config.max_batch * (1 + config.draft_length)
             steps_per_s = profile_batched_pass(self.batched, max_tokens=max_tokens).steps_per_s
         self.steps_per_s = steps_per_s
+        self.gate: DraftingGate | None = None
+        if config.scheduler == "prefix" and config.gate:
+            if draft_s is None:
+                draft_s = profile_drafting(target, drafter, config.max_batch, config.draft_length).step_seconds
+            self.gate = DraftingGate(lambda b: 1.0 / steps_per_s(b), draft_s)
         self.metrics = EngineMetrics()
         self.metrics.kv_cache_bytes = self.batched.nbytes
         self._ids = itertools.count()
@@ -271,7 +284,8 @@ class ContinuousEngine:
         drafter.begin(list(prompt), request.params, generator, features)
         stats = DecodeStats(prefill_s=time.perf_counter() - start)
         detok = IncrementalText(self.target.tokenizer, request.stop)
-        self._running.append(_Sequence(request, slot, list(prompt), drafter, generator, stats, start, detok))
+        drafting = self.gate.new_request() if self.gate else DraftYield()
+        self._running.append(_Sequence(request, slot, list(prompt), drafter, generator, stats, start, detok, drafting))
         with self.metrics.lock:
             self.metrics.prompt_tokens += len(prompt)
 
@@ -281,15 +295,18 @@ class ContinuousEngine:
         self._running = [s for s in self._running if not s.finished]
 
     def _step(self) -> None:
-        """Draft for every running request, schedule, one batched verify pass, commit each request."""
+        """Draft for every running request (unless the gate says it will not pay), schedule, one batched
+        verify pass, commit each request."""
+        speculating = [s for s in self._running if s.request.speculate]
+        drafting = self.gate.should_draft([s.drafting for s in speculating]) if self.gate else True
         t0 = time.perf_counter()
-        proposals = self.drafter.propose_batch(
+        proposals = self.drafter.propose_batch(  # a limit of 0 drafts nothing and keeps the drafter in step
             [s.drafter for s in self._running],
             [s.ids for s in self._running],
             # drafts beyond a request's limit would be wasted
             [
                 min(s.drafter.proposal_limit(self.config.draft_length), s.request.max_tokens - s.generated - 1)
-                if s.request.speculate
+                if s.request.speculate and drafting
                 else 0
                 for s in self._running
             ],
@@ -303,7 +320,7 @@ class ContinuousEngine:
             self.config.scheduler,
             confidences,
             [p.length for p in proposals],
-            self.steps_per_s,
+            self.gate.step_rate(len(speculating) if drafting else 0) if self.gate else self.steps_per_s,
             self.config.threshold,
         )
         proposals = [p.prefix(n) for p, n in zip(proposals, lengths, strict=True)]
@@ -319,7 +336,13 @@ class ContinuousEngine:
             self.metrics.verify_tokens.observe(sum(1 + p.length for p in proposals))
         for s, p, row in zip(self._running, proposals, results, strict=True):
             s.stats.verify_s += verify_s
+            if self.gate and drafting and s.request.speculate:
+                self.gate.observe(s.drafting, p.length, row.result.num_accepted)
             self._commit(s, p, row.result, row.features)
+        if self.gate:
+            self.gate.stepped(drafting)
+            with self.metrics.lock:
+                self.metrics.steps_without_drafting += not drafting
         self._running = [s for s in self._running if not s.finished]
 
     def _commit(self, s: _Sequence, verified: Proposal, result, features: TargetFeatures) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures, TreeProposal, TreeSettings
 from specdecode.engine.detokenize import IncrementalText
+from specdecode.engine.drafting_gate import DraftingGate, profile_drafting
 from specdecode.engine.scheduler import SCHEDULER_MODES, has_confidences, schedule
 from specdecode.engine.sps import profile_target
 from specdecode.engine.stats import DecodeStats
@@ -42,9 +43,11 @@ class SpeculativeDecoder:
         tree: TreeSettings | None = None,
         scheduler: str = "fixed",
         threshold: float = 0.5,
+        gate: bool = True,
     ) -> None:
         """`scheduler` decides how many of a chain's drafts are verified: `fixed` (all, up to draft_length),
-        `prefix` (DSpark's Algorithm 1 on this machine's SPS(B) table) or `threshold` (up to the first draft
+        `prefix` (DSpark's Algorithm 1 on this machine's SPS(B) table; with `gate`, rounds whose drafting is
+        not expected to pay go without it, `engine/drafting_gate.py`) or `threshold` (up to the first draft
         whose confidence is below `threshold`); the last two need a drafter with a confidence head."""
         if draft_length < 0:
             raise SpecDecodeError(f"draft length must be >= 0, got {draft_length}")
@@ -61,6 +64,10 @@ class SpeculativeDecoder:
         self.tree = tree
         self.scheduler, self.threshold = scheduler, threshold
         self.steps_per_s = profile_target(target).steps_per_s if scheduler == "prefix" else None
+        self.gate: DraftingGate | None = None
+        if scheduler == "prefix" and gate:
+            drafting = profile_drafting(target, drafter, 1, draft_length)
+            self.gate = DraftingGate(profile_target(target).step_seconds, drafting.step_seconds)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -112,13 +119,19 @@ class SpeculativeDecoder:
         eos = target.eos_token_ids
         drafter.begin(ids, params, generator, features)
         detok, streamed, finish = IncrementalText(target.tokenizer, stop), "", "length"
+        request_yield = self.gate.new_request() if self.gate else None
         while len(ids) - len(prompt_ids) < limit:
             room = limit - (len(ids) - len(prompt_ids)) - 1  # drafts beyond the limit would be wasted
+            drafting = self.gate.should_draft([request_yield]) if self.gate else True
             t0 = time.perf_counter()
-            proposal = self._propose(ids, room)
+            proposal = self._propose(ids, room if drafting else 0)
             t1 = time.perf_counter()
             result, kept_features = self._verify(ids, proposal, params, generator)
             t2 = time.perf_counter()
+            if self.gate:
+                if drafting:
+                    self.gate.observe(request_yield, proposal.length, result.num_accepted)
+                self.gate.stepped(drafting)
             stats.record_round(_draft_depth(proposal), result.num_accepted, getattr(proposal, "source", None))
             new = result.tokens[: limit - (len(ids) - len(prompt_ids))]
             hit_eos = next((j for j, t in enumerate(new) if t in eos), None)
@@ -149,14 +162,14 @@ class SpeculativeDecoder:
     def _propose(self, ids: list[int], room: int) -> Proposal | TreeProposal:
         """A chain of at most `draft_length` drafts (a lookup's may run further), or a tree; none when no draft
         could be committed."""
-        if room <= 0:
-            return EMPTY_PROPOSAL
         if self.tree is not None:
-            return self.drafter.propose_tree(ids, self.tree, max_depth=room)
-        proposal = self.drafter.propose(ids, min(self.drafter.proposal_limit(self.draft_length), room))
+            return self.drafter.propose_tree(ids, self.tree, max_depth=room) if room > 0 else EMPTY_PROPOSAL
+        # a limit of 0 drafts nothing and keeps the drafter in step
+        proposal = self.drafter.propose(ids, max(0, min(self.drafter.proposal_limit(self.draft_length), room)))
         if self.scheduler == "fixed" or not proposal.length:
             return proposal
-        (n,) = schedule(self.scheduler, [proposal.confidences], [proposal.length], self.steps_per_s, self.threshold)
+        rate = self.gate.step_rate(1) if self.gate else self.steps_per_s
+        (n,) = schedule(self.scheduler, [proposal.confidences], [proposal.length], rate, self.threshold)
         return proposal.prefix(n)
 
     def _verify(

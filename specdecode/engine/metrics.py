@@ -28,6 +28,7 @@ class EngineMetrics:
         self.rounds = 0  # request-rounds: one per request per verify pass
         self.drafts = 0  # request-rounds that verified at least one draft
         self.draft_tokens = 0  # drafts verified
+        self.steps_without_drafting = 0  # verify passes in which the drafting gate skipped drafting
         self.accepted_tokens = 0  # sum of accepted lengths (drafts kept + the target's own token)
         self.position_attempts: list[int] = []
         self.position_accepts: list[int] = []
@@ -81,6 +82,11 @@ class EngineMetrics:
         yield counter("verify_rounds", "Request-rounds (one per request per verify pass)", self.rounds)
         yield counter("spec_decode_num_drafts", "Request-rounds that verified drafts", self.drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified", self.draft_tokens)
+        yield counter(
+            "spec_decode_steps_without_drafting",
+            "Verify passes the drafting gate ran without drafts",
+            self.steps_without_drafting,
+        )
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", self.accepted_tokens - self.rounds)
         per_position = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted drafts by position", labels=["position"]

@@ -1,9 +1,12 @@
 """`specdecode bench serving`: the OpenAI server under load, on loopback, bounded in requests and time.
 
-For each configuration (normal decoding; the drafter with a fixed draft length; the drafter with the prefix
-scheduler) an in-process server is started on a free 127.0.0.1 port, and for each concurrency level that
+Configurations: normal decoding; the drafter with a fixed draft length; the drafter with the prefix
+scheduler and its drafting gate (the default); and the prefix scheduler without the gate. For each
+concurrency level, every configuration in turn gets a fresh engine behind an in-process server on a free
+127.0.0.1 port (interleaved, so a slow phase of the shared machine hits every configuration alike), and that
 many clients send streamed chat requests (temperature 0, prompts from a benchmark, in file order) until the
-level's request budget or time limit runs out. Client-side measurements:
+level's request budget or time limit runs out. Each configuration keeps its own drafter from level to level.
+Client-side measurements:
 - throughput: completion tokens of the level / its wall time; per-user: each request's tokens / its time;
 - TTFT: request sent -> first content chunk; ITL: gaps between content chunks. A speculative round can
   carry several tokens in one chunk, so ITL is per chunk, and TPOT ((end - first chunk) / (tokens - 1)) is
@@ -130,15 +133,17 @@ def summarize(timings: list[RequestTiming], wall_s: float, clients: int) -> dict
     }
 
 
-def _configurations(target: Target, drafter_spec: str | None) -> list[tuple[str, Drafter, str]]:
-    """(label, drafter, scheduler): normal decoding, then the drafter fixed, then with the prefix scheduler;
-    each configuration gets a drafter of its own (nothing learned in one run carries into the next)."""
-    configs = [("none", Drafter(), "fixed")]
+def _configurations(target: Target, drafter_spec: str | None) -> list[tuple[str, Drafter, str, bool]]:
+    """(label, drafter, scheduler, gate): normal decoding, the drafter fixed, with the prefix scheduler and
+    its drafting gate, and without the gate; each configuration gets a drafter of its own (nothing learned
+    in one configuration carries into another)."""
+    configs = [("none", Drafter(), "fixed", False)]
     if drafter_spec:
         drafter = build_drafter(drafter_spec, target)
-        configs.append((f"{drafter.name}-fixed", drafter, "fixed"))
+        configs.append((f"{drafter.name}-fixed", drafter, "fixed", False))
         if has_confidences(drafter):
-            configs.append((f"{drafter.name}-prefix", build_drafter(drafter_spec, target), "prefix"))
+            configs.append((f"{drafter.name}-prefix", build_drafter(drafter_spec, target), "prefix", True))
+            configs.append((f"{drafter.name}-prefix-ungated", build_drafter(drafter_spec, target), "prefix", False))
     return configs
 
 
@@ -213,28 +218,32 @@ def run_serving_bench(
         return [prompts[(k * requests + i) % len(prompts)] for i in range(requests)]
 
     runs = []
-    for label, drafter, scheduler in _configurations(target, drafter_spec):
-        config = EngineConfig(max(concurrencies), max_len, draft_length if label != "none" else 0, scheduler)
-        engine = ContinuousEngine(target, drafter, config)
-        with BackgroundServer(create_app(engine, target.name)) as server:
-            for k, clients in enumerate(concurrencies):
+    configurations = _configurations(target, drafter_spec)
+    for k, clients in enumerate(concurrencies):
+        for label, drafter, scheduler, gate in configurations:
+            length = draft_length if label != "none" else 0
+            config = EngineConfig(max(concurrencies), max_len, length, scheduler, gate=gate)
+            engine = ContinuousEngine(target, drafter, config)
+            with BackgroundServer(create_app(engine, target.name)) as server:
                 level = asyncio.run(
                     run_level(server.url, target.name, level_prompts(k), clients, requests, max_tokens, time_limit_s)
                 )
-                runs.append(
-                    {
-                        "drafter": drafter.name,
-                        "configuration": label,
-                        "scheduler": scheduler,
-                        "checkpoint": drafter_spec if label != "none" else None,
-                        "benchmark": benchmark,
-                        "temperature": 0.0,
-                        "draft_length": config.draft_length,
-                        "tree": None,
-                        **level,
-                    }
-                )
-                print(f"[serving] {label:16s} c={clients:3d} {level['output_tokens_per_s']:8.1f} tok/s", flush=True)
+            runs.append(
+                {
+                    "drafter": drafter.name,
+                    "configuration": label,
+                    "scheduler": scheduler,
+                    "drafting_gate": gate,
+                    "steps_without_drafting": engine.metrics.steps_without_drafting,
+                    "checkpoint": drafter_spec if label != "none" else None,
+                    "benchmark": benchmark,
+                    "temperature": 0.0,
+                    "draft_length": config.draft_length,
+                    "tree": None,
+                    **level,
+                }
+            )
+            print(f"[serving] {label:24s} c={clients:3d} {level['output_tokens_per_s']:8.1f} tok/s", flush=True)
     skipped: dict[str, str] = {}
     for speculative in ("none", "ngram") if vllm_python else ():
         label = "vllm-cpu" + ("-ngram" if speculative == "ngram" else "")
@@ -264,13 +273,19 @@ def run_serving_bench(
                     }
                 )
                 print(f"[serving] {label:16s} c={clients:3d} {level['output_tokens_per_s']:8.1f} tok/s", flush=True)
-    columns = "configuration | clients | requests | tok/s | per-user tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT ms"
-    rows = [f"| {columns} | accepted |", "|" + "---|" * 9]
+    normal = {r["concurrency"]: r["output_tokens_per_s"] for r in runs if r["configuration"] == "none"}
     for r in runs:
+        base = normal.get(r["concurrency"])
+        r["relative_to_normal"] = round(r["output_tokens_per_s"] / base, 3) if base else None
+    order = list(dict.fromkeys(r["configuration"] for r in runs))
+    columns = "configuration | clients | requests | tok/s | x normal | per-user tok/s | TTFT p50/p99 ms"
+    rows = [f"| {columns} | ITL p50/p99 ms | TPOT ms | accepted | steps without drafting |", "|" + "---|" * 11]
+    for r in sorted(runs, key=lambda r: (order.index(r["configuration"]), r["concurrency"])):
         rows.append(
             f"| {r['configuration']} | {r['concurrency']} | {r['requests']} | {r['output_tokens_per_s']} | "
-            f"{r['per_user_tokens_per_s']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | {r['itl_ms_p50']} / "
-            f"{r['itl_ms_p99']} | {r['tpot_ms_mean']} | {r['mean_accepted_length']} |"
+            f"{r['relative_to_normal']} | {r['per_user_tokens_per_s']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | "
+            f"{r['itl_ms_p50']} / {r['itl_ms_p99']} | {r['tpot_ms_mean']} | {r['mean_accepted_length']} | "
+            f"{r.get('steps_without_drafting', '')} |"
         )
     limits = {
         "requests_per_level": requests,

@@ -1,0 +1,120 @@
+"""Whether a step of the prefix scheduler should draft at all (the continuous engine and one-request decoding).
+
+The prefix scheduler chooses how many drafts to verify once they exist, so a step's drafting is paid even
+when it then verifies none. With several requests in a pass the target is compute-bound on a CPU: a verify
+pass over 4 rows x 8 tokens costs several one-token passes, the scheduler rightly verifies few drafts, and
+drafting for every request every step made speculative serving slower than normal decoding. Before
+drafting, the gate predicts both kinds of step from measured costs and each request's recent yield:
+
+    speculative: (R + sum_r kept_r) / (draft_s(R) + verify_s(R + sum_r verified_r))
+    normal:      R / verify_s(R)
+
+tokens per second, where kept_r and verified_r are running means of request r's accepted and verified
+drafts over its steps that drafted (a new request starts from the engine's running mean). The step drafts
+when the first is larger, and after `EXPLORE_EVERY` steps without drafting, so the means stay current.
+Both costs are tables measured once per machine and cached (SPS(B) of the batched pass, and
+`profile_drafting` below), never timed as steps go, so a seeded request decodes the same tokens on every
+rerun of the same batch. Lossless: the choice reads only earlier steps, never this step's drafts.
+"""
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.drafters.base import Drafter, TargetFeatures, cost_digest
+from specdecode.engine.sps import StepCostTable, load_or_profile
+from specdecode.models.target import Target
+from specdecode.sampling import SamplingParams
+
+DECAY = 0.8  # weight of the past in the running means
+EXPLORE_EVERY = 16  # steps without drafting before one drafts again
+
+
+@dataclass
+class DraftYield:
+    """Running means of one request's (or the engine's) accepted and verified drafts per drafting step."""
+
+    kept: float = 1.0
+    verified: float = 1.0
+
+    def update(self, verified: int, kept: int) -> None:
+        self.kept = DECAY * self.kept + (1 - DECAY) * kept
+        self.verified = DECAY * self.verified + (1 - DECAY) * verified
+
+
+class DraftingGate:
+    """`verify_s(B)`: seconds of a batched verify pass over B tokens; `draft_s(R)`: seconds of drafting for
+    R requests in one call."""
+
+    def __init__(
+        self,
+        verify_s: Callable[[int], float],
+        draft_s: Callable[[int], float],
+        explore_every: int = EXPLORE_EVERY,
+    ) -> None:
+        self.verify_s, self.draft_s, self.explore_every = verify_s, draft_s, explore_every
+        self.engine_yield = DraftYield()
+        self.steps_without = explore_every  # the first step drafts
+
+    def new_request(self) -> DraftYield:
+        return DraftYield(self.engine_yield.kept, self.engine_yield.verified)
+
+    def should_draft(self, yields: list[DraftYield]) -> bool:
+        """Whether drafting for these requests (the ones that speculate) is expected to pay this step."""
+        if not yields:
+            return False
+        if self.steps_without >= self.explore_every:
+            return True
+        r = len(yields)
+        verified = max(0, round(sum(y.verified for y in yields)))
+        speculative = (r + sum(y.kept for y in yields)) / (self.draft_s(r) + self.verify_s(r + verified))
+        return speculative > r / self.verify_s(r)
+
+    def step_rate(self, drafted_requests: int) -> Callable[[int], float]:
+        """Steps per second of a whole step verifying B tokens, for the prefix scheduler: the step's drafting
+        counts too (paid whatever is verified, it makes each verified draft relatively cheaper)."""
+        draft_s = self.draft_s(drafted_requests) if drafted_requests else 0.0
+        return lambda b: 1.0 / (draft_s + self.verify_s(b))
+
+    def stepped(self, drafted: bool) -> None:
+        self.steps_without = 0 if drafted else self.steps_without + 1
+
+    def observe(self, request_yield: DraftYield, verified: int, kept: int) -> None:
+        """After a drafting step: request r had `verified` drafts verified and `kept` of them accepted."""
+        request_yield.update(verified, kept)
+        self.engine_yield.update(verified, kept)
+
+
+def profile_drafting(
+    target: Target, drafter: Drafter, max_requests: int, draft_length: int, context: int = 128, reps: int = 5
+) -> StepCostTable:
+    """Seconds of one `propose_batch` call for R requests (R = 1, 2, 4, ... up to `max_requests`), each at a
+    `context`-token prompt; measured once and cached per machine, target and drafter like SPS(B)."""
+    sizes = tuple(sorted({min(2**i, max_requests) for i in range(max_requests.bit_length() + 1)} | {1, 2}))
+    key = {
+        "target": target.name,
+        "kernel": target.kernel,
+        "dtype": str(target.dtype),
+        "drafting": cost_digest(drafter),
+        "draft_length": draft_length,
+        "context": context,
+    }
+    ids = [(7 * i) % target.config.vocab_size for i in range(context)]
+    states: list[Drafter] = []
+
+    def run_pass(requests: int) -> None:
+        if not states:  # prefill lazily: a cached table needs no pass at all
+            target.set_capture_layers(drafter.target_layer_ids)
+            target.reset()
+            out = target.forward(torch.tensor(ids[:-1]), logits=False)
+            target.reset()
+            features = TargetFeatures(out.layer_hidden, out.last_hidden)
+            for i in range(sizes[-1]):
+                state = copy.copy(drafter)
+                state.begin(ids, SamplingParams(), torch.Generator().manual_seed(i), features)
+                states.append(state)
+        type(drafter).propose_batch(states[:requests], [ids] * requests, [draft_length] * requests)
+
+    return load_or_profile(key, run_pass, sizes, reps)

@@ -1,0 +1,63 @@
+"""The drafting gate: a step drafts only where the measured costs and the requests' recent yield say it pays."""
+
+from specdecode.drafters.dspark import BlockDrafter
+from specdecode.engine.continuous import ContinuousEngine, EngineConfig
+from specdecode.engine.drafting_gate import EXPLORE_EVERY, DraftingGate, DraftYield
+from specdecode.training.recipes import build_block_drafter
+from tests.conftest import tiny_target
+from tests.test_batch import _normal_greedy, _run
+
+
+def compute_bound(b: int) -> float:
+    """A verify pass whose cost grows with every token (many rows on a CPU)."""
+    return 0.01 * b
+
+
+def flat(b: int) -> float:
+    """A memory-bound pass: the same cost for any number of tokens."""
+    return 0.01
+
+
+def test_gate_drafts_where_it_pays_and_explores_where_it_does_not():
+    paying = DraftingGate(flat, lambda r: 0.001)
+    yields = [DraftYield(kept=2.0, verified=4.0) for _ in range(4)]
+    paying.stepped(True)
+    assert paying.should_draft(yields)  # (4 + 8) tokens for 11 ms against 4 for 10 ms
+
+    costly = DraftingGate(compute_bound, lambda r: 0.005 * r)
+    costly.stepped(True)
+    low = [DraftYield(kept=0.3, verified=2.0) for _ in range(4)]
+    decisions = []
+    for _ in range(2 * EXPLORE_EVERY + 2):
+        decisions.append(costly.should_draft(low))
+        costly.stepped(decisions[-1])
+    # 5.2 tokens for 140 ms against 4 for 40 ms: only the exploring steps draft
+    assert decisions.count(True) == 2 and decisions[EXPLORE_EVERY] and decisions[2 * EXPLORE_EVERY + 1]
+    assert not costly.should_draft([])  # nothing to draft for
+
+
+def test_running_means_follow_the_observed_yield():
+    gate = DraftingGate(flat, lambda r: 0.0)
+    request = gate.new_request()
+    for _ in range(30):
+        gate.observe(request, verified=3, kept=2)
+    assert abs(request.kept - 2) < 0.01 and abs(request.verified - 3) < 0.01
+    later = gate.new_request()  # a new request starts from the engine's mean
+    assert abs(later.kept - 2) < 0.01
+
+
+def test_gated_engine_skips_drafting_that_cannot_pay_and_stays_lossless():
+    """Drafting priced far above a verify pass: the engine decodes mostly without drafts, and its greedy
+    output is still normal decoding's."""
+    target = tiny_target(vocab_size=32, seed=3)
+    drafter = BlockDrafter(build_block_drafter("dspark", target, num_layers=1, block_size=4, target_layer_ids=[0]))
+    target.set_capture_layers(drafter.target_layer_ids)
+    prompts = [[3, 4, 5, 6, 7, 8, 9][:n] for n in (2, 7, 4)]
+    references = [_normal_greedy(target, p, 40) for p in prompts]
+    config = EngineConfig(max_batch=3, max_len=64, draft_length=4, scheduler="prefix")
+    engine = ContinuousEngine(target, drafter, config, lambda b: 1 / compute_bound(b), draft_s=lambda r: 1.0)
+    assert [c.token_ids for c in _run(engine, prompts, 40)] == references
+    steps = engine.metrics.verify_rows.collect()[0].samples
+    passes = next(s.value for s in steps if s.name.endswith("_count"))
+    assert engine.metrics.steps_without_drafting >= passes - 40 // EXPLORE_EVERY - 2
+    assert engine.metrics.steps_without_drafting > 0
