@@ -61,3 +61,16 @@ def test_gated_engine_skips_drafting_that_cannot_pay_and_stays_lossless():
     passes = next(s.value for s in steps if s.name.endswith("_count"))
     assert engine.metrics.steps_without_drafting >= passes - 40 // EXPLORE_EVERY - 2
     assert engine.metrics.steps_without_drafting > 0
+
+
+def test_one_request_decoding_leaves_a_self_gating_drafter_alone():
+    """The hybrid chooses per round between suffix, model and nothing with its own round costs; a second
+    gate on top would price its free suffix rounds as model drafting."""
+    from specdecode.drafters.hybrid import HybridDrafter
+    from specdecode.engine.decode import SpeculativeDecoder
+
+    target = tiny_target(vocab_size=32, seed=3)
+    model = BlockDrafter(build_block_drafter("dspark", target, num_layers=1, block_size=4, target_layer_ids=[0]))
+    assert SpeculativeDecoder(target, model, 4, scheduler="prefix").gate is not None
+    hybrid = HybridDrafter(model, costs=(0.01, 0.012))
+    assert SpeculativeDecoder(target, hybrid, 4, scheduler="prefix").gate is None

@@ -94,6 +94,7 @@ class Drafter:
     name = "none"
     target_layer_ids: list[int] = []  # target layers whose outputs the drafter reads
     has_confidences = False  # proposals carry confidences (what the prefix and threshold schedulers need)
+    gates_itself = False  # decides per round whether drafting pays (the hybrid), so one-request decoding adds no gate
 
     def check_target(self, target: Target) -> None:
         """Raise `SpecDecodeError` when this drafter cannot serve `target` (vocabulary, fingerprint)."""

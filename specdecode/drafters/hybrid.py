@@ -108,6 +108,7 @@ class HybridDrafter(Drafter):
         self.name = f"suffix+{model.name}"
         self.target_layer_ids = list(model.target_layer_ids)
         self.has_confidences = model.has_confidences
+        self.gates_itself = True
         self.shared = SharedEstimates(model_kept=model_prior)
         if costs is not None:
             self.shared.light_s, self.shared.model_s = costs

@@ -47,7 +47,8 @@ class SpeculativeDecoder:
     ) -> None:
         """`scheduler` decides how many of a chain's drafts are verified: `fixed` (all, up to draft_length),
         `prefix` (DSpark's Algorithm 1 on this machine's SPS(B) table; with `gate`, rounds whose drafting is
-        not expected to pay go without it, `engine/drafting_gate.py`) or `threshold` (up to the first draft
+        not expected to pay go without it, `engine/drafting_gate.py`, unless the drafter makes that choice
+        itself, as the hybrid does with its own measured round costs) or `threshold` (up to the first draft
         whose confidence is below `threshold`); the last two need a drafter with a confidence head."""
         if draft_length < 0:
             raise SpecDecodeError(f"draft length must be >= 0, got {draft_length}")
@@ -65,7 +66,7 @@ class SpeculativeDecoder:
         self.scheduler, self.threshold = scheduler, threshold
         self.steps_per_s = profile_target(target).steps_per_s if scheduler == "prefix" else None
         self.gate: DraftingGate | None = None
-        if scheduler == "prefix" and gate:
+        if scheduler == "prefix" and gate and not drafter.gates_itself:
             drafting = profile_drafting(target, drafter, 1, draft_length)
             self.gate = DraftingGate(profile_target(target).step_seconds, drafting.step_seconds)
 
