@@ -64,11 +64,12 @@ class SpeculativeDecoder:
         self.draft_length = draft_length
         self.tree = tree
         self.scheduler, self.threshold = scheduler, threshold
-        self.steps_per_s = profile_target(target).steps_per_s if scheduler == "prefix" else None
+        costs = profile_target(target) if scheduler == "prefix" else None
+        self.steps_per_s = costs.steps_per_s if costs else None
         self.gate: DraftingGate | None = None
-        if scheduler == "prefix" and gate and not drafter.gates_itself:
+        if costs and gate and not drafter.gates_itself:
             drafting = profile_drafting(target, drafter, 1, draft_length)
-            self.gate = DraftingGate(profile_target(target).step_seconds, drafting.step_seconds)
+            self.gate = DraftingGate(costs.step_seconds, drafting.step_seconds)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

@@ -87,10 +87,10 @@ def calibrated_confidence(
 ) -> torch.Tensor:
     """c_k = sigmoid(z_k / T_k + b_k) over the last dimension (the first len(z) positions of the map);
     an empty list of temperatures or biases means T = 1 or b = 0 (an uncalibrated drafter)."""
-    n = logits.shape[-1]
-    t = torch.as_tensor(temperatures, dtype=logits.dtype)[:n] if len(temperatures) else torch.ones(n)
-    b = torch.as_tensor(biases, dtype=logits.dtype)[:n] if len(biases) else torch.zeros(n)
-    return torch.sigmoid(logits / t.to(logits.dtype) + b.to(logits.dtype))
+    n, dtype = logits.shape[-1], logits.dtype
+    t = torch.as_tensor(temperatures, dtype=dtype)[:n] if len(temperatures) else torch.ones(n, dtype=dtype)
+    b = torch.as_tensor(biases, dtype=dtype)[:n] if len(biases) else torch.zeros(n, dtype=dtype)
+    return torch.sigmoid(logits / t + b)
 
 
 def cumulative_confidence(
