@@ -11,8 +11,15 @@ Candidates:
 - `stock`: `F.linear` (MKL on x86 CPUs).
 - `onednn`: `torch.ops.mkldnn` with the weight prepacked once (float32 and bfloat16 on x86).
 - `few-rows`: specdecode's C++ kernel (`csrc/runner_kernels.cpp`, built on first use with the machine's compiler),
-  float32 rows against float32 or bfloat16 weights (widened in registers), at most `FEW_ROWS_MAX` rows;
-  its outputs do not depend on how many rows share a pass.
+  float32 rows against float32 or bfloat16 weights, at most `FEW_ROWS_MAX` rows; its outputs do not depend
+  on how many rows share a pass.
+
+Exact rows: the target runner plans with `exact=True`, so every bucket up to `FEW_ROWS_MAX` (a decode step,
+a verify pass) runs the few-rows kernel wherever it builds. A verify pass over k positions then computes,
+bit for bit, what k one-token steps compute, and speculative decoding at temperature 0 is token-identical
+to normal decoding in any dtype. Mixing kernels across those buckets broke that in bfloat16: oneDNN rounds
+the rows to bfloat16 at one row count, the widening kernel kept them float32 at another, and near-ties
+flipped (n-gram matched bfloat16 normal decoding on 6 of 12 prompts).
 """
 
 import functools
@@ -101,8 +108,9 @@ def native_bfloat16() -> bool:
 
 
 def bfloat16_is_faster(rows: tuple[int, ...] = (1, 8)) -> bool:
-    """On a CPU with native bfloat16: does a stack of decoder-sized linears stream faster in bfloat16 (best
-    kernel) than in float32 (best kernel), at one row and at a verify pass's rows? Measured once per machine."""
+    """On a CPU with native bfloat16: does a stack of decoder-sized linears stream faster in bfloat16 than in
+    float32 (each with the kernels the target runner would use), at one row and at a verify pass's rows?
+    Measured once per machine."""
     if not native_bfloat16():
         return False
     path = cache_dir("kernel-plans") / f"bf16-vs-fp32-{kernels_digest()}.json"
@@ -114,9 +122,11 @@ def bfloat16_is_faster(rows: tuple[int, ...] = (1, 8)) -> bool:
     for dtype in (torch.float32, torch.bfloat16):
         linears = [Linear(torch.randn(shape, generator=generator).to(dtype)) for shape in shapes]
         for lin in linears:
-            if "onednn" in candidates(dtype, max(rows)):
+            if "onednn" in candidates(dtype, max(rows), exact=True):
                 lin.pack_onednn()
-        best[str(dtype)] = sum(min(_time_sweeps(linears, candidates(dtype, m), m, 3).values()) for m in rows)
+        best[str(dtype)] = sum(
+            min(_time_sweeps(linears, candidates(dtype, m, exact=True), m, 3).values()) for m in rows
+        )
     faster = best["torch.bfloat16"] < best["torch.float32"]
     path.write_text(json.dumps({"bfloat16_faster": faster, "ms": best}))
     return faster
@@ -199,14 +209,16 @@ def bucket(rows: int) -> int:
     return next((b for b in ROW_BUCKETS if b >= rows), ROW_BUCKETS[-1])
 
 
-def candidates(dtype: torch.dtype, rows: int) -> list[str]:
-    kernels = ["stock"]
-    x86 = torch.backends.mkldnn.is_available() and platform.machine() in ("x86_64", "AMD64")
-    if x86 and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        kernels.append("onednn")
+def candidates(dtype: torch.dtype, rows: int, exact: bool = False) -> list[str]:
+    """The kernels that may run `rows` rows; with `exact`, only the few-rows kernel where it applies."""
     if dtype in (torch.float32, torch.bfloat16) and rows <= FEW_ROWS_MAX and cpu_kernels_available():
-        kernels.append("few-rows")
-    return kernels
+        return ["few-rows"] if exact else ["stock", *_library_kernels(dtype), "few-rows"]
+    return ["stock", *_library_kernels(dtype)]
+
+
+def _library_kernels(dtype: torch.dtype) -> list[str]:
+    x86 = torch.backends.mkldnn.is_available() and platform.machine() in ("x86_64", "AMD64")
+    return ["onednn"] if x86 and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()) else []
 
 
 def _time_sweeps(linears: list[Linear], kernels: list[str], rows: int, reps: int) -> dict[str, float]:
@@ -229,15 +241,16 @@ def _time_sweeps(linears: list[Linear], kernels: list[str], rows: int, reps: int
     return {k: round(min(t) * 1000, 3) for k, t in times.items()}
 
 
-def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int = 5) -> dict:
+def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int = 5, exact: bool = False) -> dict:
     """Give every linear its kernel per row bucket: `kernel` everywhere, or for `auto` the fastest measured
-    (cached per machine, model signature and thread count). Returns {bucket: {kernel: ms}} of what was timed."""
+    (cached per machine, model signature and thread count); with `exact`, the few-rows kernel at every bucket
+    it covers (see the module's docstring). Returns {bucket: {kernel: ms}} of what was timed."""
     dtype = linears[0].weight.dtype
     if kernel != "auto":
         choice = {b: kernel if kernel in candidates(dtype, b) else "stock" for b in ROW_BUCKETS}
         timings: dict = {}
     else:
-        key = {**signature, "kernels": kernels_digest(), "threads": torch.get_num_threads()}
+        key = {**signature, "kernels": kernels_digest(), "threads": torch.get_num_threads(), "exact": exact}
         path = cache_dir() / "kernel-plans" / f"{stable_digest(key)}.json"
         cached = json.loads(path.read_text()) if path.exists() else None
         if cached and "few-rows" in cached["choice"].values() and not cpu_kernels_available():
@@ -251,7 +264,7 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
             timings = {}
             print("specdecode: timing linear kernels on this machine (once per model shape)", file=sys.stderr)
             for b in ROW_BUCKETS:
-                timings[b] = _time_sweeps(linears, candidates(dtype, b), b, reps)
+                timings[b] = _time_sweeps(linears, candidates(dtype, b, exact), b, reps)
             choice = {b: min(t, key=t.get) for b, t in timings.items()}
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"key": key, "choice": choice, "timings": timings}, indent=1))

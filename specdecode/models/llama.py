@@ -236,7 +236,8 @@ class LlamaRunner:
         self.rotary = inner.rotary_emb  # HF's own inverse frequencies and scaling: every rope type is covered
         self._rope_table(c.max_position_embeddings)
         signature = {"model": c.model_type, "hidden": c.hidden_size, "layers": len(self.layers), "dtype": str(weights)}
-        self.kernel_plan = plan_kernels(self.linears(), kernel, signature) if device.type == "cpu" else {}
+        # exact: a verify pass computes bit for bit what one-token steps compute (models/linear.py)
+        self.kernel_plan = plan_kernels(self.linears(), kernel, signature, exact=True) if device.type == "cpu" else {}
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [

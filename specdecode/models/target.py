@@ -133,11 +133,14 @@ class Target:
         return {i for i in ids if i is not None}
 
     def fingerprint(self) -> str:
-        """Hash of the shapes that matter and of the embedding matrix: drafters record it to refuse a mismatch."""
+        """Hash of the shapes that matter and of the embedding matrix: drafters record it to refuse a mismatch.
+        The embedding is hashed as bfloat16, so the same model loaded in float32 or bfloat16 (chosen per
+        machine) has one fingerprint: a drafter trained on one machine serves the target on another."""
         c = self.config
         digest = hashlib.sha256()
         digest.update(json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads]).encode())
-        digest.update(self.model.get_input_embeddings().weight.detach().float().cpu().numpy().tobytes())
+        embedding = self.model.get_input_embeddings().weight.detach().cpu()
+        digest.update(embedding.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
         return digest.hexdigest()[:16]
 
     @property

@@ -5,110 +5,209 @@
 // the CPUs we run on, a fifth to a third of what plain reads reach. Here a group of weight rows streams
 // together and every input row takes the group while it is in cache, so the weights leave memory once
 // per pass for any M.
-// Every output is summed in the same order whatever M is (8-lane partial sums along K, then the lanes
+// Every output is summed in the same order whatever M is (lane-wise partial sums along K, then the lanes
 // in order), so a row's result never depends on the other rows of its pass: a verify pass over k + 1
-// positions computes bit for bit what k + 1 one-token steps compute.
-// GCC vector extensions: -march=native picks AVX2, AVX-512 or NEON on the machine. Built with
+// positions computes bit for bit what k + 1 one-token steps compute. The tile shape may change with M
+// (it only decides which accumulators live together), the order of each sum never does.
+// GCC vector extensions: -march=native picks the width (16 floats with AVX-512, else 8). Built with
 // -ffp-contract=off, so the compiler never fuses a multiply-add on its own (it did so in some tile shapes
 // and not in others, which broke the row independence); where the CPU has FMA it is asked for explicitly.
+// bfloat16 weights: where the CPU has AVX512-BF16 the rows are rounded to bfloat16 once and multiplied
+// pairwise in hardware (vdpbf16ps: twice the products of a float32 FMA, as llama.cpp's BF16 path does);
+// elsewhere the weights are widened exactly to float32 and the rows stay float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-
-typedef float v8 __attribute__((vector_size(32)));
-
-#if defined(__FMA__)
+#if defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
-static inline v8 fma8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-#else
-static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
 #endif
 
-static inline v8 load8(const float* p) {
-  v8 v;
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t u16v __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t u32v __attribute__((vector_size(kLanes * 4)));
+
+static inline vf fma_v(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+static inline vf load_v(const float* p) {
+  vf v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
 
-// Eight bfloat16 weights widened to float32: a bfloat16 is the top half of a float32, so the widening is
-// exact and costs a shift; the weights stream at half the bytes, the arithmetic stays float32.
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-static inline v8 load8(const at::BFloat16* p) {
-  u16x8 half;
+// bfloat16 weights widened to float32: a bfloat16 is the top half of a float32, so the widening is exact
+// and costs a shift; the weights stream at half the bytes, the arithmetic stays float32.
+static inline vf load_v(const at::BFloat16* p) {
+  u16v half;
   __builtin_memcpy(&half, p, sizeof(half));
-  const u32x8 wide = __builtin_convertvector(half, u32x8) << 16;
-  v8 v;
+  const u32v wide = __builtin_convertvector(half, u32v) << 16;
+  vf v;
   __builtin_memcpy(&v, &wide, sizeof(v));
   return v;
 }
 
+// The lanes of a partial sum added as a fixed tree (halves, then quarters, ...): the same order for every
+// output, and a short chain (a sequential sum of 16 lanes cost more than the 576-long dot product itself).
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
 static inline float lane_sum(v8 v) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
+  const v4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+#if defined(__AVX512F__)
+static inline float lane_sum(vf v) {
+  return lane_sum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
-// Input rows m0 .. m0 + MB against weight rows n .. n + NB: NB * MB accumulators, each weight and input
-// vector loaded once per step.
-template <int NB, int MB, typename T>
-static inline void tile(const float* X, const T* W, float* Y, int64_t m0, int64_t n, int64_t K, int64_t N) {
-  const int64_t K8 = K / 8 * 8;
-  v8 acc[NB][MB] = {};
-  for (int64_t k = 0; k < K8; k += 8) {
-    v8 w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = load8(W + (n + j) * K + k);
-    for (int i = 0; i < MB; ++i) {
-      const v8 xv = load8(X + (m0 + i) * K + k);
-      for (int j = 0; j < NB; ++j) acc[j][i] = fma8(xv, w[j], acc[j][i]);
-    }
+// lane_sum of eight vectors at once, the same tree in vector arithmetic: each step adds the halves of two
+// outputs' partial sums in one instruction (eight scalar trees cost as much as a 576-long dot product).
+static inline v8 lane_sums8(const vf* a) {
+  vf h[4], q[2];
+  for (int p = 0; p < 4; ++p)
+    h[p] = __builtin_shufflevector(a[2 * p], a[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * p], a[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int p = 0; p < 2; ++p)
+    q[p] = __builtin_shufflevector(h[2 * p], h[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(h[2 * p], h[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const vf e = __builtin_shufflevector(q[0], q[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(q[0], q[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e, e, 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(e, e, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
+
+// out[c] = lane_sum(a[c]) for C partial sums.
+template <int C>
+static inline void lane_sums(const vf* a, float* out) {
+  int c = 0;
+#if defined(__AVX512F__)
+  for (; c + 8 <= C; c += 8) {
+    const v8 r = lane_sums8(a + c);
+    __builtin_memcpy(out + c, &r, sizeof(r));
   }
-  for (int i = 0; i < MB; ++i) {
-    const float* xr = X + (m0 + i) * K;
-    for (int j = 0; j < NB; ++j) {
-      const T* wr = W + (n + j) * K;
-      float s = lane_sum(acc[j][i]);
-      for (int64_t k = K8; k < K; ++k) s += xr[k] * static_cast<float>(wr[k]);
+#endif
+  for (; c < C; ++c) out[c] = lane_sum(a[c]);
+}
+
+// A tile's outputs: each partial sum's lanes, then the K tail past the vector loop (from `tail`), in order.
+template <int NB, int MB, typename XT, typename T>
+static inline void store_tile(const vf (&acc)[NB][MB], const XT* X, const T* W, float* Y, int64_t m0, int64_t n,
+                              int64_t K, int64_t N, int64_t tail) {
+  float sums[NB * MB];
+  lane_sums<NB * MB>(&acc[0][0], sums);
+  for (int j = 0; j < NB; ++j) {
+    const T* wr = W + (n + j) * K;
+    for (int i = 0; i < MB; ++i) {
+      const XT* xr = X + (m0 + i) * K;
+      float s = sums[j * MB + i];
+      for (int64_t k = tail; k < K; ++k) s += static_cast<float>(xr[k]) * static_cast<float>(wr[k]);
       Y[(m0 + i) * N + n + j] = s;
     }
   }
 }
 
-// Every input row against weight rows n .. n + NB, MB (<= 4) rows at a time.
-template <int NB, int MB, typename T>
-static inline void column(const float* X, const T* W, float* Y, int64_t n, int64_t M, int64_t K, int64_t N) {
-  int64_t m0 = 0;
-  for (; m0 + MB <= M; m0 += MB) tile<NB, MB>(X, W, Y, m0, n, K, N);
-  switch (M - m0) {
-    case 3: tile<NB, 3>(X, W, Y, m0, n, K, N); break;
-    case 2: tile<NB, 2>(X, W, Y, m0, n, K, N); break;
-    case 1: tile<NB, 1>(X, W, Y, m0, n, K, N); break;
-    default: break;
+// Input rows m0 .. m0 + MB against weight rows n .. n + NB: NB * MB accumulators, each weight and input
+// vector loaded once per step. With `Prefetch`, each step also asks for the same place in the next group's
+// rows: a group's rows are short (576 weights), too short for the hardware to see them as streams.
+template <int NB, int MB, bool Prefetch, typename T>
+static inline void tile(const float* X, const T* W, float* Y, int64_t m0, int64_t n, int64_t K, int64_t N) {
+  const int64_t Kv = K / kLanes * kLanes;
+  vf acc[NB][MB] = {};
+  for (int64_t k = 0; k < Kv; k += kLanes) {
+    vf w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = load_v(W + (n + j) * K + k);
+    if constexpr (Prefetch) {
+      for (int j = 0; j < NB; ++j) __builtin_prefetch(W + (n + NB + j) * K + k);
+    }
+    for (int i = 0; i < MB; ++i) {
+      const vf xv = load_v(X + (m0 + i) * K + k);
+      for (int j = 0; j < NB; ++j) acc[j][i] = fma_v(xv, w[j], acc[j][i]);
+    }
+  }
+  store_tile<NB, MB>(acc, X, W, Y, m0, n, K, N, Kv);
+}
+
+#if defined(__AVX512BF16__)
+// The same tile with bfloat16 rows (X, rounded once per pass) and weights, 32 products per instruction:
+// each lane sums its pair of products into its float32 partial sum.
+template <int NB, int MB, bool Prefetch>
+static inline void tile(const at::BFloat16* X, const at::BFloat16* W, float* Y, int64_t m0, int64_t n, int64_t K,
+                        int64_t N) {
+  const int64_t K32 = K / 32 * 32;
+  vf acc[NB][MB] = {};
+  for (int64_t k = 0; k < K32; k += 32) {
+    __m512bh w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(W + (n + j) * K + k);
+    if constexpr (Prefetch) {
+      for (int j = 0; j < NB; ++j) __builtin_prefetch(W + (n + NB + j) * K + k);
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(X + (m0 + i) * K + k);
+      for (int j = 0; j < NB; ++j) acc[j][i] = (vf)_mm512_dpbf16_ps((__m512)acc[j][i], xv, w[j]);
+    }
+  }
+  store_tile<NB, MB>(acc, X, W, Y, m0, n, K, N, K32);
+}
+#endif
+
+// Input rows m0 .. M - 1 against weight rows n .. n + NB, MB rows at a time; the rest in halves of MB.
+template <int NB, int MB, bool Prefetch, typename X, typename T>
+static inline void column(const X* x, const T* W, float* Y, int64_t n, int64_t m0, int64_t M, int64_t K, int64_t N) {
+  for (; m0 + MB <= M; m0 += MB) tile<NB, MB, Prefetch>(x, W, Y, m0, n, K, N);
+  if constexpr (MB > 1) {
+    if (m0 < M) column<NB, MB / 2, Prefetch>(x, W, Y, n, m0, M, K, N);
   }
 }
 
-// The tile shape per weight dtype, measured on an AVX2 EPYC at 1-8 rows: float32 weights stream fastest as
-// eight rows at once against one input row (more streams in flight; the group, tens of KB, is still in
-// cache for the next input row), 12-24% faster than 3 x 4; bfloat16 weights are bound by their widening,
-// which 3 weight rows x 4 input rows amortizes over the inputs.
-template <typename T> struct Tile { static constexpr int NB = 8, MB = 1; };
-template <> struct Tile<at::BFloat16> { static constexpr int NB = 3, MB = 4; };
-
-template <typename T>
-static void linear(const float* X, const T* W, float* Y, int64_t M, int64_t K, int64_t N) {
-  constexpr int NB = Tile<T>::NB, MB = Tile<T>::MB;
+template <int NB, int MB, bool Prefetch, typename X, typename T>
+static void linear(const X* x, const T* W, float* Y, int64_t M, int64_t K, int64_t N) {
   at::parallel_for(0, (N + NB - 1) / NB, 16, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n = c * NB;
       if (n + NB <= N) {
-        column<NB, MB>(X, W, Y, n, M, K, N);
+        column<NB, MB, Prefetch>(x, W, Y, n, 0, M, K, N);
       } else {
-        for (int64_t r = n; r < N; ++r) column<1, MB>(X, W, Y, r, M, K, N);
+        for (int64_t r = n; r < N; ++r) column<1, MB, Prefetch>(x, W, Y, r, 0, M, K, N);
       }
     }
   });
 }
 
-// x float32; w float32 or bfloat16 (widened on the fly); y float32.
+// The tile shape per row count, measured on an AVX-512 EPYC (Zen 4) over the model's own linears:
+// - one or two rows: one weight row at a time, so the weights are read front to back as one stream, which
+//   the hardware prefetches at the full read bandwidth (eight rows in flight read ~half as fast: eight
+//   short streams of 576 weights each);
+// - three and four rows: still one weight row, shared by four input rows, the next row prefetched;
+// - more: the arithmetic binds, and a tile of NB weight rows x 4 input rows shares every load among
+//   several products (NB = 2 for native bfloat16 products, 4 for float32 arithmetic).
+// The tile never changes the order of any one sum, so every shape computes the same bits.
+template <typename X> struct WideTile { static constexpr int NB = 4; };
+template <> struct WideTile<at::BFloat16> { static constexpr int NB = 2; };
+
+template <typename X, typename T>
+static void linear_by_rows(const X* x, const T* W, float* Y, int64_t M, int64_t K, int64_t N) {
+  if (M <= 2) {
+    linear<1, 1, false>(x, W, Y, M, K, N);
+  } else if (M <= 4) {
+    linear<1, 4, true>(x, W, Y, M, K, N);
+  } else {
+    linear<WideTile<X>::NB, 4, true>(x, W, Y, M, K, N);
+  }
+}
+
+// x float32; w float32 or bfloat16; y float32.
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "few_rows_linear: x (M, K), w (N, K)");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "few_rows_linear: float32 inputs");
@@ -117,10 +216,15 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (w.scalar_type() == at::kBFloat16) {
-    linear(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, K, N);
+#if defined(__AVX512BF16__)
+    const auto rows = x.to(at::kBFloat16);  // round to nearest even, once per pass
+    linear_by_rows(rows.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, K, N);
+#else
+    linear_by_rows(x.data_ptr<float>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, K, N);
+#endif
   } else {
     TORCH_CHECK(w.scalar_type() == at::kFloat, "few_rows_linear: float32 or bfloat16 weights");
-    linear(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
+    linear_by_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
   }
   return y;
 }
