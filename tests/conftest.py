@@ -17,6 +17,14 @@ def smollm2() -> Target:
 
 
 @pytest.fixture(scope="session")
+def smollm2_fp32(smollm2) -> Target:
+    """The default target in float32 (the same instance where the machine chose float32), for comparisons
+    that hold two computations to float32 rounding: with the HF forward, or a tree pass against a causal one
+    (in bfloat16 every linear rounds its rows, and an ulp of difference grows over 30 layers)."""
+    return smollm2 if smollm2.dtype == torch.float32 else Target.load("smollm2-135m", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
 def converted_target() -> str:
     """The default target, converted once and its runner's kernels built and timed for the CLI's thread
     count: a first run on a machine prints a progress note for each, which the one-line checks must not see."""

@@ -23,13 +23,6 @@ LAYERS = [3, 14, 27]
 
 
 @pytest.fixture(scope="module")
-def smollm2_fp32(smollm2) -> Target:
-    """The default target in float32 (the session's one where the machine chose float32): the comparisons
-    with the HF forward are made in float32, where both sides compute every op in the same precision."""
-    return smollm2 if smollm2.dtype == torch.float32 else Target.load("smollm2-135m", dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
 def hf_reference(smollm2_fp32) -> Target:
     """The default target through the HF forward (same weights: the HF modules are views of the runner's)."""
     return Target(smollm2_fp32.model, smollm2_fp32.tokenizer, name="smollm2-hf", runner=False)

@@ -112,38 +112,39 @@ def test_tree_attention_mask_and_positions():
         tree_attention(torch.tensor([-1, 1]), start=0)
 
 
-def test_chain_shaped_tree_pass_equals_the_causal_pass(smollm2):
-    ids, start = prefilled(smollm2, "Name a color.")
+def test_chain_shaped_tree_pass_equals_the_causal_pass(smollm2_fp32):
+    ids, start = prefilled(smollm2_fp32, "Name a color.")
     tokens = torch.tensor([ids[-1], 791, 1345, 28, 2051])
-    causal = smollm2.forward(tokens).logits
-    smollm2.rollback(start)
+    causal = smollm2_fp32.forward(tokens).logits
+    smollm2_fp32.rollback(start)
     mask, positions = tree_attention(torch.arange(4) - 1, start)
-    tree = smollm2.forward(tokens, position_ids=positions, attention_mask=mask).logits
+    tree = smollm2_fp32.forward(tokens, position_ids=positions, attention_mask=mask).logits
     torch.testing.assert_close(tree, causal, atol=1e-4, rtol=1e-4)
 
 
-def test_tree_pass_nodes_equal_causal_passes_and_keep_path_leaves_a_normal_cache(smollm2):
+def test_tree_pass_nodes_equal_causal_passes_and_keep_path_leaves_a_normal_cache(smollm2_fp32):
     """Every node's logits are those of a causal pass over its root-to-node path; after `keep_path` the cache
     is the one a causal pass over the accepted path builds."""
-    smollm2.set_capture_layers([3])
-    ids, start = prefilled(smollm2, "Name a color.")
+    smollm2_fp32.set_capture_layers([3])
+    ids, start = prefilled(smollm2_fp32, "Name a color.")
     tree = tree_from_paths([[791, 1345, 28], [791, 2051], [418, 28, 1345]])  # nodes: 791 1345 28 2051 418 28 1345
     mask, positions = tree_attention(tree.parents, start)
-    out = smollm2.forward(torch.cat([torch.tensor(ids[-1:]), tree.tokens]), position_ids=positions, attention_mask=mask)
-    smollm2.keep_path(start, [0, 5, 6, 7])  # root, 418, 28, 1345
-    assert smollm2.cache_length == start + 4
+    nodes = torch.cat([torch.tensor(ids[-1:]), tree.tokens])
+    out = smollm2_fp32.forward(nodes, position_ids=positions, attention_mask=mask)
+    smollm2_fp32.keep_path(start, [0, 5, 6, 7])  # root, 418, 28, 1345
+    assert smollm2_fp32.cache_length == start + 4
     end = start + 4
-    kept = smollm2.kv.keys[:, 0, :, :end].clone(), smollm2.kv.values[:, 0, :, :end].clone()
+    kept = smollm2_fp32.kv.keys[:, 0, :, :end].clone(), smollm2_fp32.kv.values[:, 0, :, :end].clone()
     for rows, path in (([0, 5, 6, 7], [418, 28, 1345]), ([0, 1, 2, 3], [791, 1345, 28]), ([0, 1, 4], [791, 2051])):
-        smollm2.rollback(start)
-        causal = smollm2.forward(torch.tensor(ids[-1:] + path))
+        smollm2_fp32.rollback(start)
+        causal = smollm2_fp32.forward(torch.tensor(ids[-1:] + path))
         torch.testing.assert_close(out.logits[rows], causal.logits, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out.layer_hidden[rows], causal.layer_hidden, atol=1e-4, rtol=1e-4)
-    smollm2.rollback(start)
-    smollm2.forward(torch.tensor(ids[-1:] + [418, 28, 1345]))
-    torch.testing.assert_close(kept[0], smollm2.kv.keys[:, 0, :, :end], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(kept[1], smollm2.kv.values[:, 0, :, :end], atol=1e-4, rtol=1e-4)
-    smollm2.set_capture_layers([])
+    smollm2_fp32.rollback(start)
+    smollm2_fp32.forward(torch.tensor(ids[-1:] + [418, 28, 1345]))
+    torch.testing.assert_close(kept[0], smollm2_fp32.kv.keys[:, 0, :, :end], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kept[1], smollm2_fp32.kv.values[:, 0, :, :end], atol=1e-4, rtol=1e-4)
+    smollm2_fp32.set_capture_layers([])
 
 
 # ---------------------------------------------------------------- losslessness of the engine

@@ -1,9 +1,9 @@
 """`specdecode bench peers`: this project beside Hugging Face transformers and vLLM, same prompts, one run.
 
 Variants, all greedy (temperature 0) on the same target and prompts, interleaved prompt by prompt:
-- specdecode: normal decoding, prompt lookup (`ngram`) and the shipped drafter (`default`); normal decoding
-  and prompt lookup with bfloat16 weights (beside llama.cpp's BF16 file; their tokens may differ from
-  float32's where rounding the weights flips a near tie);
+- specdecode: normal decoding, prompt lookup (`ngram`) and the shipped drafter (`default`) in the dtype the
+  machine chose; normal decoding and prompt lookup in the other dtype too (float32 and bfloat16 weights, beside
+  llama.cpp's F32 and BF16 files; bfloat16's tokens may differ from float32's where rounding flips a near tie);
 - transformers `generate()` on a stock copy of the model (no specdecode kernels): plain greedy, prompt
   lookup (`prompt_lookup_num_tokens`) and assisted generation with an `assistant_model` — no smaller
   model with SmolLM2's tokenizer exists offline, so the assistant is the target's first 4 layers, the
@@ -53,6 +53,7 @@ from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
 REFERENCE = "transformers generate (greedy)"
+OTHER_DTYPE = "({dtype} weights)"  # the variants in the dtype the machine did not choose
 # (prompt ids, max new tokens) -> (ids, seconds, mean accepted length per round or None where not speculative)
 Variant = Callable[[list[int], int], tuple[list[int], float, float | None]]
 
@@ -138,13 +139,15 @@ def run_peers(
 ) -> dict:
     stock = AutoModelForCausalLM.from_pretrained(target.source, dtype=torch.float32).eval()
     assistant = DraftModelDrafter(target).draft.model  # the first 4 layers, sharing the target's tensors
-    half = Target.load(target.source, dtype=torch.bfloat16)  # beside llama.cpp's BF16 file of the same weights
+    # the dtype the machine did not choose, beside llama.cpp's file of the same precision
+    other = Target.load(target.source, dtype=torch.float32 if target.dtype == torch.bfloat16 else torch.bfloat16)
+    tag = OTHER_DTYPE.format(dtype=str(other.dtype).removeprefix("torch."))
     variants: dict[str, Variant] = {
         "specdecode normal": specdecode_variant(target, Drafter(), 0),
         "specdecode ngram": specdecode_variant(target, build_drafter("ngram", target), 8),
         "specdecode default drafter": specdecode_variant(target, build_drafter("default", target), 7),
-        "specdecode normal (bf16 weights)": specdecode_variant(half, Drafter(), 0),
-        "specdecode ngram (bf16 weights)": specdecode_variant(half, build_drafter("ngram", half), 8),
+        f"specdecode normal {tag}": specdecode_variant(other, Drafter(), 0),
+        f"specdecode ngram {tag}": specdecode_variant(other, build_drafter("ngram", other), 8),
         REFERENCE: transformers_variant(stock),
         "transformers prompt lookup": transformers_variant(stock, prompt_lookup_num_tokens=8),
         "transformers assistant model (4 layers)": transformers_variant(stock, assistant_model=assistant),
@@ -221,6 +224,7 @@ def run_peers(
     }
     table += "".join(f"\n\n{name} did not run: {error}" for name, error in failures.items())
     table += checks_table(checks)
+    extra["default_dtype"] = str(target.dtype).removeprefix("torch.")
     write_results("peers", out_dir, target.name, runs, table, max_new_tokens=max_new_tokens, repeats=repeats, **extra)
     print(table)
     return {"runs": runs}
@@ -294,7 +298,8 @@ def _own_normal(name: str, cells: dict[str, list[dict]]) -> str | None:
     elif name.startswith("transformers"):
         own = REFERENCE
     elif name.startswith("specdecode"):
-        own = "specdecode normal (bf16 weights)" if "(bf16 weights)" in name else "specdecode normal"
+        tags = [OTHER_DTYPE.format(dtype=d) for d in ("float32", "bfloat16")]
+        own = next((f"specdecode normal {t}" for t in tags if name.endswith(t)), "specdecode normal")
     else:
         return None
     return own if own != name and own in cells else None
@@ -303,7 +308,8 @@ def _own_normal(name: str, cells: dict[str, list[dict]]) -> str | None:
 def _table(runs: list[dict]) -> str:
     lines = [
         "Greedy decoding, same prompts, variants interleaved; speedup = median per-prompt tokens/s ratio to "
-        "transformers' plain greedy `generate()`; identical = same tokens as specdecode's normal decoding (float32), "
+        "transformers' plain greedy `generate()`; identical = same tokens as specdecode's normal decoding (in the "
+        "dtype this machine chose), "
         "and as the plain decoding of the variant's own engine and weights (what a lossless speculation must "
         "give).\n",
         "| variant | prompts | tokens/s | speedup vs transformers | accepted length | identical to specdecode "

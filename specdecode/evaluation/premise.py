@@ -1,16 +1,17 @@
 """`specdecode bench premise`: does a verify pass over k positions cost about what one position costs, and
 how close is one pass to what the memory allows?
 
-Variants, all timed in one run: `hf` (the Hugging Face forward, stock kernels: what specdecode ran before
-its own runner), the runner with each linear kernel forced (`runner-stock`, `runner-onednn`,
-`runner-few-rows`) and `runner-auto`, the library's default (the kernel per row count measured fastest on
-this machine), and `runner-bf16` (`--dtype bfloat16`: half the bytes; the default only where the CPU
-multiplies bfloat16 natively and it measured faster). The roofline is float32's. For each context length and k, the
+Variants, all timed in one run: `hf` (the Hugging Face forward in float32, stock kernels: what specdecode
+ran before its own runner), the runner with each linear kernel forced (`runner-stock`, `runner-onednn`,
+`runner-few-rows`) and `runner-auto`, the library's default (the dtype and the kernel per row count chosen
+on this machine), all in the default's dtype, and the runner in the other dtype (`runner-bf16` or
+`runner-fp32`: bfloat16 is the default only where the CPU multiplies it natively and it measured faster).
+The roofline is the default dtype's. For each context length and k, the
 median time of one target pass with the KV cache, interleaved across variants so that drift on a shared
 machine hits every variant alike. Each variant's block of a repetition starts with an untimed pass: in
 decoding the same model runs pass after pass, so its weights are as warm in the cache as they are here.
-The roofline is the cost model's float32 pass time on this machine's measured read bandwidth and matmul
-peak.
+The roofline is the cost model's pass time in that dtype on this machine's measured read bandwidth and
+matmul peak.
 """
 
 import statistics
@@ -36,12 +37,17 @@ def _time_pass(target: Target, context: int, k: int, generator: torch.Generator)
     return (time.perf_counter() - start) * 1000
 
 
+SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the cost model's names
+
+
 def load_variants(target_name: str) -> dict[str, Target]:
-    variants = {"hf": Target.load(target_name, runner=False)}
+    default = Target.load(target_name)
+    other = torch.float32 if default.dtype == torch.bfloat16 else torch.bfloat16
+    variants = {"hf": Target.load(target_name, dtype=torch.float32, runner=False)}
     for kernel in FORCED_KERNELS:
-        variants[f"runner-{kernel}"] = Target.load(target_name, kernel=kernel)
-    variants["runner-auto"] = Target.load(target_name)
-    variants["runner-bf16"] = Target.load(target_name, dtype=torch.bfloat16)
+        variants[f"runner-{kernel}"] = Target.load(target_name, dtype=default.dtype, kernel=kernel)
+    variants["runner-auto"] = default
+    variants[f"runner-{SHORT_DTYPE[other]}"] = Target.load(target_name, dtype=other)
     return variants
 
 
@@ -78,16 +84,17 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
     bar.close()
 
     shape = costmodel.ModelShape.from_hf_config(default.source)
-    hardware = costmodel.probe_cpu_hardware("fp32")
+    dtype = SHORT_DTYPE[default.dtype]
+    hardware = costmodel.probe_cpu_hardware(dtype)
     runs = []
     for context in contexts:
         best_one = min(statistics.median(times[(variant, context, 1)]) for variant in targets)
-        roofline_one = costmodel.pass_cost(shape, hardware, "fp32", 1, context_len=context).pass_ms
+        roofline_one = costmodel.pass_cost(shape, hardware, dtype, 1, context_len=context).pass_ms
         for variant in targets:
             one = statistics.median(times[(variant, context, 1)])
             for k in positions:
                 ms = statistics.median(times[(variant, context, k)])
-                roofline = costmodel.pass_cost(shape, hardware, "fp32", k, context_len=context).pass_ms
+                roofline = costmodel.pass_cost(shape, hardware, dtype, k, context_len=context).pass_ms
                 runs.append(
                     {
                         "variant": variant,
