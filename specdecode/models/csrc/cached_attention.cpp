@@ -63,12 +63,55 @@ inline v8 exp8(v8 x) {
 
 inline float exp1(float x) { return exp8(splat(x))[0]; }
 
-inline float dot(const float* a, const float* b, int64_t D) {
+typedef float v4 __attribute__((vector_size(16)));
+
+// The eight lanes of a partial dot product added as a fixed tree: (0+4, 1+5, 2+6, 3+7), then pairs two apart,
+// then the last two. dots8 computes the same tree for eight keys at once.
+inline float lane_sum(v8 v) {
+  const v4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+inline v8 dot_lanes(const float* a, const float* b, int64_t D) {
   v8 acc = splat(0.f);
   for (int64_t d = 0; d < D; d += 8) acc = fma8(load8(a + d), load8(b + d), acc);
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += acc[i];
-  return s;
+  return acc;
+}
+
+inline float dot(const float* a, const float* b, int64_t D) { return lane_sum(dot_lanes(a, b, D)); }
+
+// dot(q, k_i) for eight consecutive keys, bit for bit what `dot` gives each, with the eight lane trees done
+// as one transposition (a sequential lane sum per key cost more than the products).
+inline v8 dots8(const float* q, const float* k, int64_t D) {
+  v8 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = splat(0.f);
+  for (int64_t d = 0; d < D; d += 8) {
+    const v8 qd = load8(q + d);
+    for (int i = 0; i < 8; ++i) acc[i] = fma8(qd, load8(k + i * D + d), acc[i]);
+  }
+  v8 h[4], e[2];
+  for (int p = 0; p < 4; ++p)
+    h[p] = __builtin_shufflevector(acc[2 * p], acc[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(acc[2 * p], acc[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int p = 0; p < 2; ++p)
+    e[p] = __builtin_shufflevector(h[2 * p], h[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(h[2 * p], h[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+// acc (S * 8 floats) += sum over b of weights[b] * v[b]: the accumulator stays in registers over the block's
+// keys (the same products added in the same order as one slice at a time in memory).
+template <int S>
+inline void add_weighted(float* acc, const float* v, const float* weights, int64_t visible) {
+  constexpr int64_t D = S * 8;
+  v8 slices[S];
+  for (int i = 0; i < S; ++i) slices[i] = load8(acc + 8 * i);
+  for (int64_t b = 0; b < visible; ++b) {
+    const v8 w = splat(weights[b]);
+    for (int i = 0; i < S; ++i) slices[i] = fma8(w, load8(v + b * D + 8 * i), slices[i]);
+  }
+  for (int i = 0; i < S; ++i) store8(acc + 8 * i, slices[i]);
 }
 
 // One (row, kv head): M queries (M, D) over that slot's keys and values (D floats per entry).
@@ -84,10 +127,10 @@ void attend(const float* q, const float* k, const float* v, const int64_t* limit
       if (visible <= 0) continue;
       const float* qm = q + m * D;
       float block_max = -INFINITY;
-      for (int64_t b = 0; b < visible; ++b) {
-        weights[b] = dot(qm, k + (j0 + b) * D, D) * scale;
-        block_max = std::max(block_max, weights[b]);
-      }
+      int64_t b = 0;
+      for (; b + 8 <= visible; b += 8) store8(weights + b, dots8(qm, k + (j0 + b) * D, D) * splat(scale));
+      for (; b < visible; ++b) weights[b] = dot(qm, k + (j0 + b) * D, D) * scale;
+      for (b = 0; b < visible; ++b) block_max = std::max(block_max, weights[b]);
       float* am = acc.data() + m * D;
       if (block_max > best[m]) {  // a new maximum: rescale what was summed so far
         const float shrink = exp1(best[m] - block_max);
@@ -103,10 +146,16 @@ void attend(const float* q, const float* k, const float* v, const int64_t* limit
         block_total += w;
       }
       for (int i = 0; i < 8; ++i) total[m] += block_total[i];
-      for (int64_t b = 0; b < visible; ++b) {
-        const v8 w = splat(weights[b]);
-        const float* vb = v + (j0 + b) * D;
-        for (int64_t d = 0; d < D; d += 8) store8(am + d, fma8(w, load8(vb + d), load8(am + d)));
+      if (D == 64) {
+        add_weighted<8>(am, v + j0 * D, weights, visible);
+      } else if (D == 128) {
+        add_weighted<16>(am, v + j0 * D, weights, visible);
+      } else {
+        for (int64_t b = 0; b < visible; ++b) {
+          const v8 w = splat(weights[b]);
+          const float* vb = v + (j0 + b) * D;
+          for (int64_t d = 0; d < D; d += 8) store8(am + d, fma8(w, load8(vb + d), load8(am + d)));
+        }
       }
     }
   }
@@ -142,11 +191,20 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
   const int64_t *sp = slot_index.data_ptr<int64_t>(), *lp = limit.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t slot_stride = keys.stride(0), head_stride = keys.stride(1);
-  at::parallel_for(0, R * KV, 1, [&](int64_t begin, int64_t end) {
+  // Work items are (row, kv head, a share of its queries): one request has only `KV` (row, head) pairs, too
+  // few to keep every thread busy, and each query is computed on its own anyway.
+  const int64_t pairs = R * KV, threads = at::get_num_threads();
+  const int64_t shares = std::min(M, pairs >= 2 * threads ? int64_t{1} : (2 * threads + pairs - 1) / pairs);
+  const int64_t per_share = (M + shares - 1) / shares;
+  at::parallel_for(0, pairs * shares, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / KV, h = item % KV;
+      const int64_t pair = item / shares, m0 = item % shares * per_share;
+      const int64_t count = std::min(per_share, M - m0);
+      if (count <= 0) continue;
+      const int64_t r = pair / KV, h = pair % KV;
       const int64_t base = sp[r] * slot_stride + h * head_stride;
-      attend(qp + item * M * D, kp + base, vp + base, lp + r * M, op + item * M * D, M, D,
+      const int64_t first = pair * M + m0;
+      attend(qp + first * D, kp + base, vp + base, lp + r * M + m0, op + first * D, count, D,
              static_cast<float>(scale));
     }
   });
