@@ -252,4 +252,4 @@ def load_engine_drafter(path: str | Path, target: Target) -> BlockDrafter:
     load_state(model, weights, path)
     if not model.vocab_maps_agree():
         raise SpecDecodeError(f"drafter {path} is broken: its d2t map is not an increasing set of target ids")
-    return BlockDrafter(frozen(model.to(target.device), c.kind))
+    return BlockDrafter(frozen(model, c.kind, target))

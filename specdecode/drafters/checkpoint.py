@@ -97,9 +97,10 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     load_state(model, read_weights(path), path)
 
 
-def frozen(model: torch.nn.Module, kind: str) -> torch.nn.Module:
-    """A loaded drafter is inference-only: its linears take the kernels measured on this machine."""
-    freeze_linears(model.eval(), f"{kind}-drafter")
+def frozen(model: torch.nn.Module, kind: str, target: Target) -> torch.nn.Module:
+    """A loaded drafter is inference-only: its linears take the target's weight dtype (bfloat16 where the
+    machine chose it: half the bytes a round) and the kernels measured on this machine."""
+    freeze_linears(model.to(target.device).eval(), f"{kind}-drafter", dtype=target.dtype)
     return model
 
 
@@ -122,7 +123,7 @@ def load_drafter(path: str | Path, target: Target):
         load_weights(model, path)
         if not model.vocab_maps_agree():
             raise SpecDecodeError(f"drafter checkpoint {path} is broken: its d2t and t2d vocabulary maps disagree")
-        return BlockDrafter(frozen(model.to(target.device), kind))
+        return BlockDrafter(frozen(model, kind, target))
     if kind == "eagle3":
         from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
 
@@ -140,5 +141,5 @@ def load_drafter(path: str | Path, target: Target):
         load_weights(model, path)
         if not model.vocab_maps_agree():
             raise SpecDecodeError(f"drafter checkpoint {path} is broken: its d2t and t2d vocabulary maps disagree")
-        return Eagle3Drafter(frozen(model.to(target.device), kind), fingerprint=config["target"].get("fingerprint"))
+        return Eagle3Drafter(frozen(model, kind, target), fingerprint=config["target"].get("fingerprint"))
     raise SpecDecodeError(f"drafter checkpoint {path} has unknown kind '{kind}'")

@@ -183,16 +183,20 @@ class FrozenLinear(nn.Module):
         return self.linear(x)
 
 
-def freeze_linears(module: nn.Module, label: str, kernel: str = "auto") -> None:
+def freeze_linears(module: nn.Module, label: str, kernel: str = "auto", dtype: torch.dtype | None = None) -> None:
     """Swap every `nn.Linear` of an inference-only module (a drafter loaded from disk) for a `FrozenLinear`
-    over the same weight, with kernels planned for the group: a drafter runs every round at a few rows, where
+    over the same weight (cast to `dtype` when given: the target's, so a drafter streams bfloat16 where the
+    machine chose it), with kernels planned for the group: a drafter runs every round at a few rows, where
     stock `F.linear` streams its weights at a fraction of the measured kernels' speed. Training code never
     calls this: a FrozenLinear passes no gradient to its weight."""
     found = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()]
     found = [(parent, name, child) for parent, name, child in found if type(child) is nn.Linear]
     if not found:
         return
-    linears = [Linear(c.weight.detach(), None if c.bias is None else c.bias.detach()) for _, _, c in found]
+    dtype = dtype or found[0][2].weight.dtype
+    linears = [
+        Linear(c.weight.detach().to(dtype), None if c.bias is None else c.bias.detach().to(dtype)) for _, _, c in found
+    ]
     shapes = [list(lin.weight.shape) for lin in linears]
     if linears[0].weight.device.type == "cpu":
         plan_kernels(linears, kernel, {"model": label, "shapes": shapes, "dtype": str(linears[0].weight.dtype)})
