@@ -6,7 +6,7 @@
 // together and every input row takes the group while it is in cache, so the weights leave memory once
 // per pass for any M.
 // Every output is summed in the same order whatever M is (lane-wise partial sums along K, then the lanes
-// in order), so a row's result never depends on the other rows of its pass: a verify pass over k + 1
+// as a fixed tree), so a row's result never depends on the other rows of its pass: a verify pass over k + 1
 // positions computes bit for bit what k + 1 one-token steps compute. The tile shape may change with M
 // (it only decides which accumulators live together), the order of each sum never does.
 // GCC vector extensions: -march=native picks the width (16 floats with AVX-512, else 8). Built with
