@@ -1,13 +1,18 @@
-"""The machine a measurement was made on, and where machine-specific measurements are cached.
+"""The machine a measurement was made on, where machine-specific measurements are cached, and how busy
+other processes kept it while we measured.
 
 Kernel choices, step-cost tables and round costs are measured where the code runs, never assumed: each is
 cached under `$XDG_CACHE_HOME/specdecode/<kind>/`, keyed by what it measured plus this machine's identity.
+The machine is shared; another process taking a core can make a step 10-30x slower. Every timed
+measurement runs inside `ForeignLoad`, and a contaminated one is measured again: a cost table measured
+under load would mislead every decision that reads it until the kernels change.
 """
 
 import hashlib
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -35,3 +40,39 @@ def measurement_file(kind: str, key: dict) -> Path:
     """The cache file of the measurement `key` (a JSON-able dict that includes the machine) of this `kind`."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return cache_dir(kind) / f"{key.get('target', 'target')}-{digest}.json"
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _busy_seconds() -> float:
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / _TICKS
+
+
+class ForeignLoad:
+    """Context manager; afterwards `.cores` is the average number of cores used by other processes."""
+
+    def __enter__(self) -> "ForeignLoad":
+        self._wall, self._busy, self._own = time.perf_counter(), _busy_seconds(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = time.perf_counter() - self._wall
+        others = (_busy_seconds() - self._busy) - (time.process_time() - self._own)
+        self.cores = max(0.0, others / wall) if wall > 0 else 0.0
+
+
+MAX_FOREIGN_CORES = 0.3  # above this a measurement is re-run
+
+
+def measure_quietly(fn, retries: int = 3):
+    """Run `fn()` until other processes stayed under MAX_FOREIGN_CORES; returns (result, foreign cores)."""
+    for attempt in range(retries + 1):
+        with ForeignLoad() as load:
+            result = fn()
+        if load.cores <= MAX_FOREIGN_CORES or attempt == retries:
+            return result, load.cores
+        time.sleep(1.0)
+    raise AssertionError("unreachable")

@@ -1,8 +1,11 @@
 """Algorithm 1 (prefix scheduler), its static modes, and the SPS(B) cost table."""
 
+import time
+
 import pytest
 import torch
 
+from specdecode.engine import sps
 from specdecode.engine.scheduler import prefix_survival, schedule, schedule_prefix, schedule_threshold
 from specdecode.engine.sps import StepCostTable, load_or_profile, profile_steps
 from specdecode.errors import SpecDecodeError
@@ -94,8 +97,22 @@ def test_cost_table_interpolates_and_extrapolates():
         t.step_seconds(0)
 
 
+def foreign_load_reporting(cores: list[float]):
+    """A stand-in for `ForeignLoad` whose measurements report `cores` in turn, then a quiet machine."""
+
+    class FakeLoad:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.cores = cores.pop(0) if cores else 0.0
+
+    return FakeLoad
+
+
 def test_profile_is_cached_per_key(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(sps, "ForeignLoad", foreign_load_reporting([]))  # quiet: no sweep is measured again
     calls = []
 
     def run_pass(b: int) -> None:
@@ -107,6 +124,24 @@ def test_profile_is_cached_per_key(tmp_path, monkeypatch):
     assert len(calls) == 5 and again.seconds == first.seconds
     with pytest.raises(SpecDecodeError):
         profile_steps(run_pass, sizes=(2, 1))
+
+
+def test_profile_measures_again_a_sweep_while_others_were_busy(monkeypatch):
+    """A sweep during which other processes used the cores (here: the first two, made 100x slower) is not
+    kept: a cost table measured under load would mislead the scheduler until the kernels change."""
+    busy_sweeps = [2.0, 2.0]  # foreign cores reported for the first sweeps; then a quiet machine
+    seconds = {"per_token": 1e-3}
+    calls = []
+
+    def run_pass(b: int) -> None:
+        calls.append(b)
+        slow = 100 if busy_sweeps and len(calls) > 1 else 1  # the warm-up pass is call 1
+        time.sleep(seconds["per_token"] * b * slow / 10)
+
+    monkeypatch.setattr(sps, "ForeignLoad", foreign_load_reporting(busy_sweeps))
+    measured = profile_steps(run_pass, sizes=(1, 2), reps=3)
+    assert len(calls) == 1 + 2 * (2 + 3)  # warm-up, two busy sweeps measured again, three quiet ones
+    assert measured[1] < 0.01  # no 100x sweep in the medians (quiet: 0.2 ms per pass of 2 tokens)
 
 
 def test_replay_counts_tokens_and_costs():

@@ -23,8 +23,8 @@ from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.engine.scheduler import has_confidences
 from specdecode.engine.stats import DecodeStats
 from specdecode.evaluation.benchmarks import load_benchmark, load_jsonl_benchmark
-from specdecode.evaluation.load import measure_quietly
 from specdecode.evaluation.results import write_results
+from specdecode.machine import measure_quietly
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 

@@ -47,8 +47,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.baselines import PROMPT_GROUPS
 from specdecode.evaluation.benchmarks import load_benchmark
 from specdecode.evaluation.export_check import check_export, checks_table
-from specdecode.evaluation.load import measure_quietly
 from specdecode.evaluation.results import write_results
+from specdecode.machine import measure_quietly
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 

@@ -22,8 +22,8 @@ import torch
 from tqdm import tqdm
 
 from specdecode import costmodel
-from specdecode.evaluation.load import MAX_FOREIGN_CORES, ForeignLoad
 from specdecode.evaluation.results import write_results
+from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad
 from specdecode.models.target import Target
 
 FORCED_KERNELS = ("stock", "onednn", "few-rows")

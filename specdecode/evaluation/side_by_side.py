@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from specdecode.engine.decode import Completion, SpeculativeDecoder
 from specdecode.engine.stats import DecodeStats
-from specdecode.evaluation.load import measure_quietly
+from specdecode.machine import measure_quietly
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 

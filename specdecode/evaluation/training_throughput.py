@@ -12,8 +12,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from specdecode.evaluation.load import measure_quietly
 from specdecode.evaluation.results import write_results
+from specdecode.machine import measure_quietly
 from specdecode.models.target import Target
 from specdecode.training.features import OfflineFeatures, OnlineFeatures, write_feature_cache
 from specdecode.training.prompts import build_prompt_mix
