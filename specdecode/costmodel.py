@@ -23,9 +23,12 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdecode.errors import SpecDecodeError
+
+if TYPE_CHECKING:  # for the hint only: this module imports torch where a probe needs it
+    import torch
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -254,6 +257,11 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
 HARDWARE_NAMES: tuple[str, ...] = (*HARDWARE_PRESETS, "cpu")
 
 _TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The cost model's name ("fp32", "bf16", ...) of a torch dtype."""
+    return next(name for name, full in _TORCH_DTYPE_NAMES.items() if str(dtype) == f"torch.{full}")
 
 
 @functools.lru_cache(maxsize=1)

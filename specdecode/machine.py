@@ -13,7 +13,9 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -42,6 +44,7 @@ def measurement_file(kind: str, key: dict) -> Path:
     return cache_dir(kind) / f"{key.get('target', 'target')}-{digest}.json"
 
 
+T = TypeVar("T")
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -65,6 +68,22 @@ class ForeignLoad:
 
 
 MAX_FOREIGN_CORES = 0.3  # above this a measurement is re-run
+
+
+def quiet_samples(measure: Callable[[], T], count: int) -> list[T]:
+    """`count` results of `measure()`, each taken while other processes stayed under MAX_FOREIGN_CORES: a
+    contaminated one is measured again, within `2 * count` tries in all, after which results are kept as
+    they come (never fewer than `count`)."""
+    kept: list[T] = []
+    for attempt in range(2 * count):
+        with ForeignLoad() as load:
+            result = measure()
+        tries_left = 2 * count - attempt - 1
+        if load.cores <= MAX_FOREIGN_CORES or tries_left < count - len(kept):
+            kept.append(result)
+        if len(kept) == count:
+            break
+    return kept
 
 
 def measure_quietly(fn, retries: int = 3):

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from specdecode.engine import sps
+from specdecode import machine
 from specdecode.engine.scheduler import prefix_survival, schedule, schedule_prefix, schedule_threshold
 from specdecode.engine.sps import StepCostTable, load_or_profile, profile_steps
 from specdecode.errors import SpecDecodeError
@@ -112,7 +112,7 @@ def foreign_load_reporting(cores: list[float]):
 
 def test_profile_is_cached_per_key(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(sps, "ForeignLoad", foreign_load_reporting([]))  # quiet: no sweep is measured again
+    monkeypatch.setattr(machine, "ForeignLoad", foreign_load_reporting([]))  # quiet: no sweep is measured again
     calls = []
 
     def run_pass(b: int) -> None:
@@ -138,7 +138,7 @@ def test_profile_measures_again_a_sweep_while_others_were_busy(monkeypatch):
         slow = 100 if busy_sweeps and len(calls) > 1 else 1  # the warm-up pass is call 1
         time.sleep(seconds["per_token"] * b * slow / 10)
 
-    monkeypatch.setattr(sps, "ForeignLoad", foreign_load_reporting(busy_sweeps))
+    monkeypatch.setattr(machine, "ForeignLoad", foreign_load_reporting(busy_sweeps))
     measured = profile_steps(run_pass, sizes=(1, 2), reps=3)
     assert len(calls) == 1 + 2 * (2 + 3)  # warm-up, two busy sweeps measured again, three quiet ones
     assert measured[1] < 0.01  # no 100x sweep in the medians (quiet: 0.2 ms per pass of 2 tokens)

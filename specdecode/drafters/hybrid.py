@@ -19,6 +19,7 @@ sampled chain by its own tokens would bias the output, as a retrospective schedu
 """
 
 import copy
+import itertools
 import json
 import statistics
 import time
@@ -28,7 +29,7 @@ import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures, cost_digest
 from specdecode.drafters.suffix import SuffixDrafter, expected_accepted
-from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad, machine_info, measurement_file
+from specdecode.machine import machine_info, measurement_file, quiet_samples
 from specdecode.models.linear import kernels_digest
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
@@ -78,26 +79,27 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
     target.reset()
     prefill = target.forward(torch.tensor(ids[:-1]), logits=False)
     features = TargetFeatures(prefill.layer_hidden, prefill.last_hidden)
-    light_times, model_times = [], []
-    for rep in range(2 * reps + 1):  # the first is a warm-up; a rep while others were busy is measured again
+    seeds = itertools.count()
+
+    def one_round() -> tuple[float, float]:
+        """Seconds of (a round without the model, one with it)."""
         drafter = copy.copy(model)
-        drafter.begin(ids, SamplingParams(), torch.Generator().manual_seed(rep), features)
-        with ForeignLoad() as load:
-            start = time.perf_counter()
-            drafter.propose(ids, 7)
-            target.forward(torch.tensor(ids[-8:]))
-            verified = time.perf_counter()
-            target.rollback(context - 1)
-            target.forward(torch.tensor(ids[-1:]))
-            stepped = time.perf_counter()
-            target.rollback(context - 1)
-        if rep and (load.cores <= MAX_FOREIGN_CORES or 2 * reps - rep < reps - len(light_times)):
-            light_times.append(stepped - verified)
-            model_times.append(verified - start)
-        if len(light_times) == reps:
-            break
+        drafter.begin(ids, SamplingParams(), torch.Generator().manual_seed(next(seeds)), features)
+        start = time.perf_counter()
+        drafter.propose(ids, 7)
+        target.forward(torch.tensor(ids[-8:]))
+        verified = time.perf_counter()
+        target.rollback(context - 1)
+        target.forward(torch.tensor(ids[-1:]))
+        stepped = time.perf_counter()
+        target.rollback(context - 1)
+        return stepped - verified, verified - start
+
+    one_round()  # warm-up
+    rounds = quiet_samples(one_round, reps)  # a round while others were busy is measured again
     target.reset()
-    light_s, model_s = statistics.median(light_times), statistics.median(model_times)
+    light_s = statistics.median(light for light, _ in rounds)
+    model_s = statistics.median(with_model for _, with_model in rounds)
     path.write_text(json.dumps({"key": key, "light_s": light_s, "model_s": model_s}, indent=1) + "\n")
     return light_s, model_s
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad, machine_info, measurement_file
+from specdecode.machine import machine_info, measurement_file, quiet_samples
 from specdecode.models.linear import kernels_digest
 
 if TYPE_CHECKING:
@@ -56,27 +56,21 @@ def profile_steps(
     run_pass: Callable[[int], None], sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 5
 ) -> list[float]:
     """Median seconds of `run_pass(B)` at each size, sizes interleaved so drift hits all of them alike; a
-    sweep during which other processes were busy is measured again (up to `reps` more sweeps)."""
+    sweep during which other processes were busy is measured again (`quiet_samples`)."""
     if len(sizes) < 2 or list(sizes) != sorted(set(sizes)):
         raise SpecDecodeError(f"profile sizes must be at least two increasing token counts, got {sizes}")
     run_pass(sizes[-1])  # warm-up: allocator and kernel caches
-    samples: dict[int, list[float]] = {b: [] for b in sizes}
-    taken = 0
-    for attempt in range(2 * reps):
-        sweep = {}
-        with ForeignLoad() as load:
-            for b in sizes:
-                start = time.perf_counter()
-                run_pass(b)
-                sweep[b] = time.perf_counter() - start
-        tries_left = 2 * reps - attempt - 1
-        if load.cores <= MAX_FOREIGN_CORES or tries_left < reps - taken:  # never fewer than `reps` sweeps
-            for b in sizes:
-                samples[b].append(sweep[b])
-            taken += 1
-        if taken == reps:
-            break
-    return [statistics.median(samples[b]) for b in sizes]
+
+    def sweep() -> dict[int, float]:
+        seconds = {}
+        for b in sizes:
+            start = time.perf_counter()
+            run_pass(b)
+            seconds[b] = time.perf_counter() - start
+        return seconds
+
+    sweeps = quiet_samples(sweep, reps)
+    return [statistics.median(s[b] for s in sweeps) for b in sizes]
 
 
 def load_or_profile(

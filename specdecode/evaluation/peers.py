@@ -49,7 +49,7 @@ from specdecode.evaluation.benchmarks import load_benchmark
 from specdecode.evaluation.export_check import check_export, checks_table
 from specdecode.evaluation.results import write_results
 from specdecode.machine import measure_quietly
-from specdecode.models.target import Target
+from specdecode.models.target import Target, other_dtype
 from specdecode.sampling import SamplingParams
 
 REFERENCE = "transformers generate (greedy)"
@@ -140,7 +140,7 @@ def run_peers(
     stock = AutoModelForCausalLM.from_pretrained(target.source, dtype=torch.float32).eval()
     assistant = DraftModelDrafter(target).draft.model  # the first 4 layers, sharing the target's tensors
     # the dtype the machine did not choose, beside llama.cpp's file of the same precision
-    other = Target.load(target.source, dtype=torch.float32 if target.dtype == torch.bfloat16 else torch.bfloat16)
+    other = Target.load(target.source, dtype=other_dtype(target.dtype))
     tag = OTHER_DTYPE.format(dtype=str(other.dtype).removeprefix("torch."))
     variants: dict[str, Variant] = {
         "specdecode normal": specdecode_variant(target, Drafter(), 0),

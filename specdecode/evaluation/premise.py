@@ -24,7 +24,7 @@ from tqdm import tqdm
 from specdecode import costmodel
 from specdecode.evaluation.results import write_results
 from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad
-from specdecode.models.target import Target
+from specdecode.models.target import Target, other_dtype
 
 FORCED_KERNELS = ("stock", "onednn", "few-rows")
 
@@ -37,17 +37,14 @@ def _time_pass(target: Target, context: int, k: int, generator: torch.Generator)
     return (time.perf_counter() - start) * 1000
 
 
-SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the cost model's names
-
-
 def load_variants(target_name: str) -> dict[str, Target]:
     default = Target.load(target_name)
-    other = torch.float32 if default.dtype == torch.bfloat16 else torch.bfloat16
+    other = other_dtype(default.dtype)
     variants = {"hf": Target.load(target_name, dtype=torch.float32, runner=False)}
     for kernel in FORCED_KERNELS:
         variants[f"runner-{kernel}"] = Target.load(target_name, dtype=default.dtype, kernel=kernel)
     variants["runner-auto"] = default
-    variants[f"runner-{SHORT_DTYPE[other]}"] = Target.load(target_name, dtype=other)
+    variants[f"runner-{costmodel.dtype_name(other)}"] = Target.load(target_name, dtype=other)
     return variants
 
 
@@ -84,7 +81,7 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
     bar.close()
 
     shape = costmodel.ModelShape.from_hf_config(default.source)
-    dtype = SHORT_DTYPE[default.dtype]
+    dtype = costmodel.dtype_name(default.dtype)
     hardware = costmodel.probe_cpu_hardware(dtype)
     runs = []
     for context in contexts:

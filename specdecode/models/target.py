@@ -51,6 +51,11 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if bfloat16_is_faster() else torch.float32
 
 
+def other_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The CPU weight dtype the machine did not choose (float32 beside bfloat16 and back): benchmarks run both."""
+    return torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+
+
 class Target:
     """A causal LM with one KV cache, driven a pass at a time by the decoding loop.
 

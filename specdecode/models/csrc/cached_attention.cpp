@@ -72,13 +72,11 @@ inline float lane_sum(v8 v) {
   return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
-inline v8 dot_lanes(const float* a, const float* b, int64_t D) {
+inline float dot(const float* a, const float* b, int64_t D) {
   v8 acc = splat(0.f);
   for (int64_t d = 0; d < D; d += 8) acc = fma8(load8(a + d), load8(b + d), acc);
-  return acc;
+  return lane_sum(acc);
 }
-
-inline float dot(const float* a, const float* b, int64_t D) { return lane_sum(dot_lanes(a, b, D)); }
 
 // dot(q, k_i) for eight consecutive keys, bit for bit what `dot` gives each, with the eight lane trees done
 // as one transposition (a sequential lane sum per key cost more than the products).
