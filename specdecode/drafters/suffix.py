@@ -175,11 +175,12 @@ class AcceptanceTable:
 
 @dataclass
 class SuffixSettings:
-    """A proposal holds up to `max_spec_factor` drafts per matched token (SuffixDecoding's alpha) within the
-    engine's draft length, and more, up to `lookup_length` (past the draft length: its drafts cost no pass,
-    only verify width), where the drafts' learned survival pays for the wider verify pass on this machine's
-    measured cost curve; it stops where the continuation's path frequency falls below `min_score`.
-    `global_capacity`: 0 turns the shared index of earlier outputs off."""
+    """With the machine's measured cost curve, a proposal holds as many drafts, up to `lookup_length` (past
+    the engine's draft length: a lookup's drafts cost no pass, only verify width), as the drafts' learned
+    survival pays for in the wider verify pass, none where one draft would not; without a curve,
+    `max_spec_factor` drafts per matched token (SuffixDecoding's alpha) within the draft length. Either stops
+    where the continuation's path frequency falls below `min_score`. `global_capacity`: 0 turns the shared
+    index of earlier outputs off."""
 
     max_spec_factor: float = 4.0
     min_score: float = 0.1
@@ -251,36 +252,41 @@ class SuffixDrafter(Drafter):
             for automaton, (state, matched) in zip(self.shared.automata, self.global_matches, strict=True):
                 if matched > 0:
                     candidates.append((automaton, state, matched))
-        best, best_value = None, 0.0
+        best, best_rate, shadow, shadow_value = None, 0.0, None, 0.0
         for automaton, state, matched in candidates:
             tokens, scores = automaton.continuation(state, max_tokens, self.settings.min_score)
             # draft j is predicted by the match grown by the j-1 drafts before it (given that they survive)
             cells = [self.table.cell(matched + j, score) for j, score in enumerate(scores)]
             confidences = [self.table.confidence(cell) for cell in cells]
-            # as many as the match's length allows (within the draft length), more where they pay
-            floor = max(1, int(self.settings.max_spec_factor * matched))
-            keep = self._paying_length(confidences, min(floor, self.draft_length or floor))
-            tokens, cells, confidences = tokens[:keep], cells[:keep], confidences[:keep]
+            cap = max(1, int(self.settings.max_spec_factor * matched))
+            keep, rate = self._paying_length(confidences, min(cap, self.draft_length or cap))
+            if keep and rate > best_rate:
+                best, best_rate = (tokens[:keep], confidences[:keep], (tokens, cells)), rate
             value = expected_accepted(confidences)
-            if value > best_value:
-                best, best_value = (tokens, cells, confidences), value
+            if value > shadow_value:
+                shadow, shadow_value = (tokens, cells), value
+        if best is not None:
+            tokens, confidences, shadow = best
+        # the whole continuation is scored against what gets committed, also past the proposal and when
+        # nothing pays: a drafter that proposed nothing would otherwise never learn that it should
+        if shadow is not None and shadow[0]:
+            self.pending = (len(ids), *shadow)
         if best is None:
             return EMPTY_PROPOSAL
-        tokens, cells, confidences = best
-        self.pending = (len(ids), tokens, cells)
         return Proposal(torch.tensor(tokens, dtype=torch.long), confidences=torch.tensor(confidences), source="suffix")
 
-    def _paying_length(self, confidences: list[float], floor: int) -> int:
-        """The length >= `floor` with the most expected tokens per second, (1 + drafts expected to survive) x
-        SPS(1 + length), or 0 where even that is slower than a plain decoding step; without a cost curve,
-        `floor`."""
-        floor = min(floor, len(confidences))
+    def _paying_length(self, confidences: list[float], cap: int) -> tuple[int, float]:
+        """The number of drafts with the most expected tokens per second, (1 + drafts expected to survive) x
+        SPS(1 + length), 0 where even one draft is slower than a plain decoding step; with the rate, in tokens
+        per plain step. Without a cost curve, SuffixDecoding's rule: `cap` drafts (alpha x the match length)."""
         if self.steps_per_s is None or not confidences:
-            return floor
+            keep = min(cap, len(confidences))
+            return keep, 1 + expected_accepted(confidences[:keep])
         expected = 1 + prefix_survival(torch.tensor(confidences)).cumsum(0)
-        lengths = [0, *range(floor, len(confidences) + 1)]
-        rates = [self.steps_per_s(1)] + [float(expected[n - 1]) * self.steps_per_s(1 + n) for n in lengths[1:]]
-        return lengths[max(range(len(rates)), key=rates.__getitem__)]
+        plain = self.steps_per_s(1)
+        rates = [1.0] + [float(expected[n - 1]) * self.steps_per_s(n + 1) / plain for n in range(1, len(expected) + 1)]
+        keep = max(range(len(rates)), key=rates.__getitem__)
+        return keep, rates[keep]
 
     def observe(self, ids: list[int], num_accepted: int, features) -> None:
         """Score the last proposal against what was committed, whichever drafter's proposal was verified: a
