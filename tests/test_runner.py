@@ -14,7 +14,7 @@ import torch
 from specdecode.engine.batch import BatchedTarget
 from specdecode.engine.decode import tree_attention
 from specdecode.models.linear import FEW_ROWS_MAX, Linear, cpu_kernels_available, native_bfloat16, plan_kernels
-from specdecode.models.llama import unsupported_reason
+from specdecode.models.llama import Rows, unsupported_reason
 from specdecode.models.target import Target
 from tests.conftest import tiny_llama, tiny_tokenizer
 
@@ -112,6 +112,55 @@ def test_training_features_match_the_decoding_pass(smollm2):
         for a, b in ((features.layer_hidden, decoded.layer_hidden), (features.last_hidden, decoded.last_hidden)):
             assert (a - b).norm() / b.norm() < 0.05
     smollm2.set_capture_layers([])
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")
+def test_the_cpp_layer_loop_computes_what_the_python_loop_computes(smollm2):
+    """Bit for bit (the same kernels in the same order, only the glue moved to C++), with captured layers: a
+    one-request chain of 1, 3 and 8 positions, and batched rows of unequal lengths in non-adjacent slots."""
+    runner = smollm2.runner
+    weights = runner.layer_weights
+    assert weights is not None  # the default target is a model type the C++ loop covers
+    smollm2.set_capture_layers([-1, 2, 20])
+
+    def both_loops(run):
+        outputs = []
+        for loop_weights in (weights, None):
+            runner.layer_weights = loop_weights
+            outputs.append(run())
+        runner.layer_weights = weights
+        return outputs
+
+    ids = torch.tensor(smollm2.encode("Count from one to ten, in words."))
+    smollm2.reset()
+    smollm2.forward(ids, logits=False)
+    for k in (1, 3, 8):
+        assert runner._layers_in_cpp(smollm2.kv, Rows.chain(0, len(ids), k), k)
+
+        def verify(k=k):
+            smollm2.rollback(len(ids))
+            return smollm2.forward(ids[:k])
+
+        cpp, python = both_loops(verify)
+        for a, b in zip((cpp.logits, cpp.layer_hidden), (python.logits, python.layer_hidden), strict=True):
+            assert torch.equal(a, b), k
+    batched = BatchedTarget(smollm2, slots=4, max_len=64)
+    slots = [batched.acquire() for _ in range(4)][1:]
+    batched.forward(slots, [ids[:5], ids[:9], ids[:3]], logits=False)
+    drafts = [torch.tensor([11, 12, 13]), torch.tensor([7]), torch.tensor([5, 6])]
+
+    def rows():
+        for slot, length in zip(slots, (5, 9, 3), strict=True):
+            batched.rollback(slot, length)
+        return batched.forward(slots[::-1], drafts)
+
+    cpp, python = both_loops(rows)
+    for r, n in enumerate([3, 1, 2]):
+        assert torch.equal(cpp.logits[r, :n], python.logits[r, :n]) and torch.equal(
+            cpp.layer_hidden[r, :n], python.layer_hidden[r, :n]
+        )
+    smollm2.set_capture_layers([])
+    smollm2.reset()
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")

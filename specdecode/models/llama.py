@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdecode.models.linear import Linear, cpu_kernels_available, plan_kernels
+from specdecode.models.linear import Linear, bucket, cpu_kernels_available, plan_kernels
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -178,6 +178,10 @@ class _Layer:
     gate_up: Linear
     down: Linear
 
+    def loop_weights(self) -> tuple[torch.Tensor, ...]:
+        """The weights in the order the C++ layer loop takes them."""
+        return self.input_norm, self.qkv.weight, self.o.weight, self.post_norm, self.gate_up.weight, self.down.weight
+
 
 def _fuse(modules: list[torch.nn.Linear]) -> Linear:
     """One matrix for several projections of the same input; the HF modules are repointed at its rows."""
@@ -238,6 +242,11 @@ class LlamaRunner:
         signature = {"model": c.model_type, "hidden": c.hidden_size, "layers": len(self.layers), "dtype": str(weights)}
         # exact: a verify pass computes bit for bit what one-token steps compute (models/linear.py)
         self.kernel_plan = plan_kernels(self.linears(), kernel, signature, exact=True) if device.type == "cpu" else {}
+        # the C++ layer loop (csrc/decoder_layers.cpp) runs the layers of the model types it covers
+        plain = all(lin.bias is None for lin in self.linears()) and all(lay.q_norm is None for lay in self.layers)
+        self.layer_weights = None
+        if self.fused and plain:
+            self.layer_weights = [w for lay in self.layers for w in lay.loop_weights()]
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [
@@ -317,6 +326,37 @@ class LlamaRunner:
         x = F.embedding(ids, self.embedding).to(self.dtype)
         if -1 in capture:
             captured[-1] = x.clone()
+        if self._layers_in_cpp(cache, rows, R * Q):
+            layer_ids = sorted({i for i in capture if i >= 0})
+            delta, *outputs = torch.ops.specdecode.decoder_layers(
+                x.view(R * Q, -1), self.layer_weights, cache.keys, cache.values, cos.view(R * Q, D),
+                sin.view(R * Q, D), rows.slot_index, rows.starts, rows.counts, rows.grouped_limits(H // KV), H, KV,
+                self.eps, layer_ids,
+            )  # fmt: skip
+            captured.update((i, out.view(R, Q, -1)) for i, out in zip(layer_ids, outputs, strict=True))
+            delta = delta.view(R, Q, -1)
+        else:
+            delta = self._layers(x, cos, sin, cache, rows, attention, capture, captured)
+        last = self._norm(x, delta, self.norm)
+        layer_hidden = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        return Output(self.lm_head(last) if logits else None, layer_hidden, last)
+
+    def _layers_in_cpp(self, cache: KVCache | None, rows: Rows | None, tokens: int) -> bool:
+        """Whether the C++ layer loop runs this pass: a causal pass through a CPU cache whose linears take the
+        few-rows kernel (its exact plan, up to 16 rows) in a model of the types it covers."""
+        return (
+            self.layer_weights is not None
+            and rows is not None
+            and rows.limits is not None
+            and cache.keys.device.type == "cpu"
+            and self.layers[0].qkv.plan.get(bucket(tokens)) == "few-rows"
+        )
+
+    def _layers(self, x, cos, sin, cache, rows, attention, capture, captured) -> torch.Tensor:
+        """The decoder layers in Python, for every pass (a reference for the C++ loop, which must match it bit
+        for bit): x, the residual stream, is updated in place; returns the last layer's output."""
+        R, Q, _ = x.shape
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
         delta = None  # a block's output, added to the residual stream x by the next norm
         for i, layer in enumerate(self.layers):
             h = self._norm(x, delta, layer.input_norm)
@@ -334,6 +374,4 @@ class LlamaRunner:
             delta = layer.down(F.silu(gate) * up)
             if i in capture:
                 captured[i] = x + delta
-        last = self._norm(x, delta, self.norm)
-        layer_hidden = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        return Output(self.lm_head(last) if logits else None, layer_hidden, last)
+        return delta
