@@ -133,11 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--max-new-tokens", type=int, default=256)
     dr.add_argument("--batch-size", type=int, default=64, help="conversations answered at once")
     dr.add_argument("--seed", type=int, default=0)
+    dr.add_argument("--skip", default=None, help="a packed .npz: leave out the conversations it already holds")
 
     dp = dsub.add_parser("pack", help="pack a regenerated folder into one checked .npz that train reads")
     _add_target_args(dp)
     dp.add_argument("--data", required=True, help="a regenerated data folder")
     dp.add_argument("--out", required=True, help="the .npz to write (its manifest goes beside it as .json)")
+    dp.add_argument("--base", default=None, help="a packed .npz whose conversations come first (it may be --out)")
     dp.add_argument("--max-length", type=int, default=1024)
 
     dc = dsub.add_parser("cache", help="write the offline target-feature cache for training")
@@ -589,7 +591,7 @@ def cmd_data(args) -> None:
 
         if not args.out.endswith(".npz"):
             raise SpecDecodeError("--out must name a .npz file")
-        manifest = pack(_load_target(args), args.data, args.out, args.max_length)
+        manifest = pack(_load_target(args), args.data, args.out, args.max_length, args.base)
         _note(
             f"packed {manifest['conversations']} conversations ({manifest['tokens']} tokens, "
             f"{manifest['bytes'] / 1e6:.1f} MB) into {args.out}, sha256 {manifest['sha256'][:16]}..."
@@ -597,7 +599,7 @@ def cmd_data(args) -> None:
         return
     from specdecode.sampling import SamplingParams
     from specdecode.training.prompts import build_prompt_mix, check_disjoint
-    from specdecode.training.regenerate import RegenerationSettings, regenerate
+    from specdecode.training.regenerate import RegenerationSettings, regenerate, sampling_settings
 
     SamplingParams(args.temperature, args.top_k, args.top_p)  # same validation as generation
     settings = RegenerationSettings(
@@ -610,7 +612,13 @@ def cmd_data(args) -> None:
     )
     conversations = build_prompt_mix(args.num_prompts, seed=args.seed, mix=_mix(args.mix), extra_jsonl=args.jsonl)
     check_disjoint(conversations)  # refuses training prompts that overlap an evaluation set
-    report = regenerate(_load_target(args), conversations, args.out, settings)
+    target = _load_target(args)
+    if args.skip:
+        from specdecode.training.artifact import packed_ids
+
+        done = packed_ids(target, args.skip, sampling_settings(settings))
+        conversations = [c for c in conversations if c.id not in done]
+    report = regenerate(target, conversations, args.out, settings)
     _note(
         f"{report.conversations} conversations in {args.out} ({report.skipped} were already done); "
         f"{report.new_tokens} new tokens at {report.tokens_per_s:.1f} tok/s"

@@ -5,6 +5,11 @@ are packed into an `.npz` of token ids (uint16 when the vocabulary fits), assist
 and conversation / source ids, with a JSON manifest beside it: the file's sha256, the target and its
 tokenizer's fingerprint, the regeneration settings and the command that packed it. `specdecode train
 --data FILE.npz` reads it directly; a file whose hash or tokenizer does not match is refused.
+
+The kept file grows without answering its conversations again: `data regenerate --skip FILE.npz` answers
+only prompts whose ids the file does not hold (ids name the same prompt in any larger mix), with the
+file's own sampling settings, and `data pack --base FILE.npz` writes the file's conversations and the new
+folder's together.
 """
 
 import hashlib
@@ -36,15 +41,29 @@ def tokenizer_fingerprint(target: Target) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def pack(target: Target, data_dir: str | Path, out: str | Path, max_length: int = 1024) -> dict:
-    """Tokenize every regenerated conversation in `data_dir` into `out` (.npz) and its manifest (.json)."""
+def pack(
+    target: Target, data_dir: str | Path, out: str | Path, max_length: int = 1024, base: str | Path | None = None
+) -> dict:
+    """Tokenize every regenerated conversation in `data_dir` into `out` (.npz) and its manifest (.json), after
+    the conversations of the packed file `base` when given (those of `data_dir` it already holds are skipped)."""
     records = read_records(data_dir)
-    if not records:
+    settings_file = Path(data_dir) / "settings.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.exists() else None
+    earlier: dict[str, np.ndarray] = {}
+    if base is not None:
+        base_manifest, earlier = _read_checked(target, base)
+        _check_same_sampling(base, base_manifest, settings)
+        if base_manifest["max_length"] != max_length:
+            raise SpecDecodeError(
+                f"{base} was packed with --max-length {base_manifest['max_length']}, not {max_length}"
+            )
+        known = set(earlier["ids"].tolist())
+        records = [r for r in records if r["id"] not in known]
+    if not records and base is None:
         raise SpecDecodeError(f"no regenerated conversations in {data_dir}")
     turns = [[m["content"] for m in r["messages"] if m["role"] == "user"] for r in records]
     check_disjoint([Conversation(r["id"], r.get("source", "?"), t) for r, t in zip(records, turns, strict=True)])
     examples = [tokenize_conversation(target.tokenizer, r["id"], r["messages"], max_length) for r in records]
-    ids = torch.cat([e.input_ids for e in examples])
     dtype = np.uint16 if len(target.tokenizer) <= np.iinfo(np.uint16).max + 1 else np.int32
     spans, span_counts = [], []
     for e in examples:
@@ -53,34 +72,36 @@ def pack(target: Target, data_dir: str | Path, out: str | Path, max_length: int 
         spans.append(edges)
         span_counts.append(len(edges))
     arrays = {
-        "tokens": ids.numpy().astype(dtype),
+        "tokens": np.concatenate([e.input_ids.numpy() for e in examples] or [np.zeros(0)]).astype(dtype),
         "lengths": np.array([len(e.input_ids) for e in examples], dtype=np.int32),
-        "spans": torch.cat(spans).numpy().astype(np.int32),
+        "spans": torch.cat(spans).numpy().astype(np.int32) if spans else np.zeros((0, 2), np.int32),
         "span_counts": np.array(span_counts, dtype=np.int32),
-        "ids": np.array([r["id"] for r in records]),
-        "sources": np.array([r.get("source", "?") for r in records]),
+        "ids": np.array([r["id"] for r in records], dtype=str),
+        "sources": np.array([r.get("source", "?") for r in records], dtype=str),
     }
+    if earlier:
+        arrays = {name: np.concatenate([earlier[name], part]) for name, part in arrays.items()}
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(buffer.getvalue())
-    settings = Path(data_dir) / "settings.json"
     sources: dict[str, int] = {}
     for source in arrays["sources"].tolist():
         sources[source] = sources.get(source, 0) + 1
+    supervised = int((arrays["spans"][:, 1] - arrays["spans"][:, 0]).sum())
     manifest = {
         "format": FORMAT,
         "sha256": hashlib.sha256(buffer.getvalue()).hexdigest(),
         "bytes": len(buffer.getvalue()),
         "target": target.name,
         "tokenizer_fingerprint": tokenizer_fingerprint(target),
-        "conversations": len(records),
-        "tokens": int(ids.numel()),
-        "supervised_tokens": int(sum(int(e.loss_mask.sum()) for e in examples)),
+        "conversations": len(arrays["ids"]),
+        "tokens": len(arrays["tokens"]),
+        "supervised_tokens": supervised,
         "sources": dict(sorted(sources.items())),
         "max_length": max_length,
-        "regeneration_settings": json.loads(settings.read_text()) if settings.exists() else None,
+        "regeneration_settings": settings,
         "disjoint_from_evaluation_sets": "8-gram check passed (training.prompts.check_disjoint)",
         "packed_with": " ".join(["specdecode", *sys.argv[1:]]),
     }
@@ -88,8 +109,23 @@ def pack(target: Target, data_dir: str | Path, out: str | Path, max_length: int 
     return manifest
 
 
-def load_packed(target: Target, path: str | Path, max_length: int) -> list[Example]:
-    """The examples of a packed file, after checking its hash and that it was made for this tokenizer."""
+def packed_ids(target: Target, path: str | Path, settings: dict) -> set[str]:
+    """The conversation ids a packed file holds, for a regeneration with sampling `settings` that grows it."""
+    manifest, arrays = _read_checked(target, path)
+    _check_same_sampling(path, manifest, settings)
+    return set(arrays["ids"].tolist())
+
+
+def _check_same_sampling(path: str | Path, manifest: dict, settings: dict | None) -> None:
+    if manifest.get("regeneration_settings") != settings:
+        raise SpecDecodeError(
+            f"{path} was regenerated with settings {manifest.get('regeneration_settings')}, not {settings}: "
+            "one data set samples one way"
+        )
+
+
+def _read_checked(target: Target, path: str | Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """A packed file's manifest and arrays, after checking its hash and that it was made for this tokenizer."""
     path = Path(path)
     manifest_file = manifest_path(path)
     if not manifest_file.exists():
@@ -105,7 +141,13 @@ def load_packed(target: Target, path: str | Path, max_length: int) -> list[Examp
             f"{path} holds token ids of {manifest['target']}'s tokenizer, not {target.name}'s; "
             "regenerate the data with this target"
         )
-    arrays = np.load(io.BytesIO(data))
+    with np.load(io.BytesIO(data)) as arrays:
+        return manifest, {name: arrays[name] for name in arrays.files}
+
+
+def load_packed(target: Target, path: str | Path, max_length: int) -> list[Example]:
+    """The examples of a packed file, after checking its hash and that it was made for this tokenizer."""
+    _, arrays = _read_checked(target, path)
     tokens = torch.from_numpy(arrays["tokens"].astype(np.int64))
     spans = torch.from_numpy(arrays["spans"].astype(np.int64))
     examples, start, first_span = [], 0, 0

@@ -159,12 +159,18 @@ def regenerate(
     return RegenerationReport(len(conversations), len(conversations) - len(todo), new_tokens, seconds)
 
 
+def sampling_settings(settings: RegenerationSettings) -> dict:
+    """What decides the tokens written (batching and sharding change only throughput and files)."""
+    mine = asdict(settings)
+    mine.pop("batch_size")
+    mine.pop("shard_size")
+    return mine
+
+
 def _check_settings(out: Path, settings: RegenerationSettings) -> None:
     """A resumed run must sample like the first one; mixing settings in one data set is refused."""
     path = out / "settings.json"
-    mine = asdict(settings)
-    mine.pop("batch_size")  # batching changes throughput, not what is sampled
-    mine.pop("shard_size")
+    mine = sampling_settings(settings)
     if path.exists():
         theirs = json.loads(path.read_text())
         if theirs != mine:
