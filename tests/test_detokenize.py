@@ -19,7 +19,10 @@ def test_equals_full_decode(smollm2, answers):
         for i, token in enumerate(ids):
             detok.append(token)
             full = smollm2.tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
-            assert full.startswith(detok.text) and full[len(detok.text) :].strip("\ufffd") == ""
+            # withheld: nothing, or a window of new text that ends in an unfinished character (it may start with
+            # complete ones, such as a space before a character split over byte tokens)
+            rest = full[len(detok.text) :]
+            assert full.startswith(detok.text) and (rest == "" or rest.endswith("\ufffd")), repr(rest)
         assert detok.visible(final=True) == smollm2.tokenizer.decode(ids, skip_special_tokens=True)
 
 
