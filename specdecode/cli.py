@@ -187,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated output-of-layer ids (default: DFlash's 5; eagle3: their first, middle and last)",
     )
+    t.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the drafter's matrix products (weights and AdamW stay float32); auto: bfloat16 when the target "
+        "runs in bfloat16 (chosen by measurement where the hardware has native BF16), else float32",
+    )
     t.add_argument("--save-every", type=int, default=50)
     t.add_argument("--eval-every", type=int, default=50)
     t.add_argument("--seed", type=int, default=42)
@@ -201,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bsc = bsub.add_parser("scaling", help="held-out accepted length against training tokens, from finished runs")
     bsc.add_argument("--runs", nargs="+", required=True, help="run folders of `specdecode train --max-conversations N`")
+    bsc.add_argument("--keep", default=None, help="an earlier dspark_scaling.json whose other rows stay in the curve")
     bsc.add_argument("--target", default=DEFAULT_TARGET)
     bsc.add_argument("--out", default="docs/results")
 
@@ -244,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs = bsub.add_parser("scheduler", help="prefix scheduler vs fixed verify lengths for R requests (replayed rounds)")
     _add_target_args(bs)
     bs.add_argument("--drafter", required=True, help="a calibrated DSpark checkpoint folder")
-    bs.add_argument("--data", required=True, help="the data folder it was trained on (those prompts are skipped)")
+    bs.add_argument(
+        "--data", required=True, help="the data folder or packed .npz it was trained on (its prompts are skipped)"
+    )
     bs.add_argument("--requests", default="1,4,8,16", help="comma-separated numbers of concurrent requests")
     bs.add_argument("--prompts", type=int, default=40)
     bs.add_argument("--temperature", type=float, default=1.0)
@@ -305,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="fit a DSpark drafter's confidence calibration (STS); reliability report")
     _add_target_args(cal)
     cal.add_argument("--drafter", required=True, help="a DSpark checkpoint folder (its config.json is updated)")
-    cal.add_argument("--data", required=True, help="the data folder it was trained on (those prompts are skipped)")
+    cal.add_argument(
+        "--data", required=True, help="the data folder or packed .npz it was trained on (its prompts are skipped)"
+    )
     cal.add_argument("--prompts", type=int, default=40, help="unseen prompts decoded to record rounds")
     cal.add_argument("--temperature", type=float, default=1.0, help="decoding temperature of the recorded rounds")
     cal.add_argument("--max-new-tokens", type=int, default=160)
@@ -558,7 +570,7 @@ def cmd_bench(args) -> None:
     elif args.bench == "scaling":
         from specdecode.evaluation.scaling import run_scaling
 
-        run_scaling(args.runs, args.out, args.target)
+        run_scaling(args.runs, args.out, args.target, args.keep)
     else:
         from specdecode.evaluation.training_throughput import run_training_throughput
 
@@ -630,11 +642,18 @@ def _layer_ids(text: str | None) -> list[int] | None:
 
 
 def cmd_train(args) -> None:
+    import torch
+
     from specdecode.training.run import run_training
     from specdecode.training.trainer import TrainConfig
 
+    target = _load_target(args)
+    precision = args.precision
+    if precision == "auto":
+        precision = "bfloat16" if target.dtype == torch.bfloat16 else "float32"
     config = TrainConfig(
         lr=args.lr,
+        precision=precision,
         micro_batch_size=args.batch_size,
         grad_accum=args.grad_accum,
         epochs=args.epochs,
@@ -662,7 +681,7 @@ def cmd_train(args) -> None:
     architecture["target_layer_ids"] = _layer_ids(args.target_layers)
     path = run_training(
         args.drafter,
-        _load_target(args),
+        target,
         args.data,
         args.out,
         config,

@@ -1,7 +1,9 @@
 """STS calibration: the measures (ECE, its floor, AUROC), the sequential fit, and recording real decoding rounds."""
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from specdecode.drafters.checkpoint import load_drafter, read_config, save_draft
 from specdecode.drafters.dspark import BlockDrafter
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
-from specdecode.evaluation.calibration_report import record_rounds, write_calibration
+from specdecode.evaluation.calibration_report import record_rounds, unseen_prompts, write_calibration
 from specdecode.sampling import SamplingParams
 from specdecode.training.calibration import (
     RoundRecorder,
@@ -21,6 +23,7 @@ from specdecode.training.calibration import (
     fit_sequential_temperatures,
     per_position_report,
 )
+from specdecode.training.prompts import build_prompt_mix
 from tests.conftest import tiny_target
 from tests.test_dspark import make_model
 
@@ -136,3 +139,11 @@ def test_calibration_is_stored_and_used(tmp_path):
     t, b = (torch.tensor(x, dtype=torch.float64) for x in (temperatures, biases))
     expected = logits["raw"] / t + b
     torch.testing.assert_close(logits["d"], expected, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
+def test_unseen_prompts_of_a_packed_file_leave_out_its_conversations():
+    packed = Path(__file__).resolve().parents[1] / "data" / "regenerated" / "smollm2-135m.npz"
+    trained = {str(i) for i in np.load(packed)["ids"]}
+    prompts = unseen_prompts(str(packed), 20)
+    id_of = {c.turns[0]: c.id for c in build_prompt_mix(len(trained) + 80)}
+    assert len(prompts) == 20 and not {id_of[p[0]["content"]] for p in prompts} & trained

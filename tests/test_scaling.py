@@ -47,3 +47,18 @@ def test_scaling_table_orders_runs_by_tokens_and_takes_the_last_evaluation(tmp_p
     (tmp_path / "unfinished").mkdir()
     with pytest.raises(SpecDecodeError, match="not a finished training run"):
         run_scaling([str(tmp_path / "unfinished")], str(tmp_path / "out"), "smollm2-135m")
+
+
+def test_rows_of_an_earlier_results_file_stay_in_the_curve(tmp_path):
+    first = fake_run(tmp_path / "first", 500, 70_000, 1.5, 1.4)
+    run_scaling([first], str(tmp_path / "old"), "smollm2-135m")
+    second = fake_run(tmp_path / "second", 2000, 300_000, 1.9, 1.7)
+    earlier = str(tmp_path / "old" / "dspark_scaling.json")
+    result = run_scaling([second], str(tmp_path / "new"), "smollm2-135m", keep=earlier)
+    assert [r["train_supervised_tokens"] for r in result["runs"]] == [70_000, 300_000]
+    assert "measured_at" in result["runs"][0] and "measured_at" not in result["runs"][1]
+    assert "500* |" in (tmp_path / "new" / "dspark_scaling.md").read_text()
+    again = run_scaling([first, second], str(tmp_path / "again"), "smollm2-135m", keep=earlier)
+    assert len(again["runs"]) == 2  # a run summarized again replaces its old row
+    with pytest.raises(SpecDecodeError, match="not a dspark_scaling results file"):
+        run_scaling([second], str(tmp_path / "x"), "smollm2-135m", keep=str(tmp_path / "missing.json"))

@@ -200,6 +200,20 @@ def test_bad_runs_are_refused(tmp_path):
         run_tiny_training(tmp_path, max_steps=3, lr=1e-2)
 
 
+def test_bfloat16_precision_runs_the_products_in_bfloat16_on_float32_weights(tmp_path, reference):
+    run_tiny_training(tmp_path, precision="bfloat16")
+    curve = losses(tmp_path)
+    assert [(s, e) for s, e, _ in curve] == [(s, e) for s, e, _ in reference]
+    gaps = [abs(a - b) for (*_, a), (*_, b) in zip(curve, reference, strict=True)]
+    assert 0 < max(gaps) < 0.05  # rounded products, not another computation
+    weights = load_file(tmp_path / "step-00000012" / "weights.safetensors")
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    with pytest.raises(SpecDecodeError, match="precision: bfloat16 -> float32"):
+        run_tiny_training(tmp_path)  # a run resumes in the precision it was started in
+    with pytest.raises(SpecDecodeError, match="unknown training precision 'fp8'"):
+        run_tiny_training(tmp_path / "other", precision="fp8")
+
+
 def test_sigkill_then_restart_continues_the_curve_exactly(tmp_path, reference):
     out_dir = tmp_path / "run"
     out_dir.mkdir()

@@ -269,7 +269,7 @@ class SuffixDrafter(Drafter):
             tokens, confidences, shadow = best
         # the whole continuation is scored against what gets committed, also past the proposal and when
         # nothing pays: a drafter that proposed nothing would otherwise never learn that it should
-        if shadow is not None and shadow[0]:
+        if shadow is not None:
             self.pending = (len(ids), *shadow)
         if best is None:
             return EMPTY_PROPOSAL

@@ -12,6 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -35,11 +36,17 @@ from specdecode.training.regenerate import read_records
 
 
 def unseen_prompts(data_dir: str, count: int, seed: int = 0) -> list[list[dict]]:
-    """First-turn chat messages of mix prompts absent from the regenerated data (never trained on)."""
-    records = read_records(data_dir)
-    seen_ids = {r["id"] for r in records}
-    seen_texts = {m["content"] for r in records for m in r["messages"] if m["role"] == "user"}
-    pool = build_prompt_mix(len(records) + 4 * count, seed=seed)
+    """First-turn chat messages of mix prompts absent from the regenerated data (never trained on): a
+    regeneration folder, or a packed `.npz`, whose ids name prompts of the mix built with the same seed."""
+    if Path(data_dir).suffix == ".npz":
+        seen_ids = {str(i) for i in np.load(data_dir)["ids"]}
+        pool = build_prompt_mix(len(seen_ids) + 4 * count, seed=seed)
+        seen_texts = {turn for c in pool if c.id in seen_ids for turn in c.turns}
+    else:
+        records = read_records(data_dir)
+        seen_ids = {r["id"] for r in records}
+        seen_texts = {m["content"] for r in records for m in r["messages"] if m["role"] == "user"}
+        pool = build_prompt_mix(len(records) + 4 * count, seed=seed)
     fresh = [c for c in pool if c.id not in seen_ids and c.turns[0] not in seen_texts]
     if len(fresh) < count:
         raise SpecDecodeError(f"only {len(fresh)} unseen prompts are available, {count} asked for")

@@ -40,8 +40,22 @@ def run_summary(run_dir: str | Path) -> dict:
     }
 
 
-def run_scaling(run_dirs: list[str], out_dir: str, target_name: str) -> dict:
-    runs = sorted((run_summary(d) for d in run_dirs), key=lambda r: r["train_supervised_tokens"])
+def earlier_rows(path: str | Path, new_runs: set[str]) -> list[dict]:
+    """The rows of an earlier `dspark_scaling.json` whose runs are not summarized again: run folders do not
+    survive a new machine, the curve does. Each keeps the commit it was measured at."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        rows = doc["runs"]
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise SpecDecodeError(f"{path} is not a dspark_scaling results file ({e})") from e
+    return [{**r, "measured_at": r.get("measured_at", doc["git_commit"])} for r in rows if r["run"] not in new_runs]
+
+
+def run_scaling(run_dirs: list[str], out_dir: str, target_name: str, keep: str | None = None) -> dict:
+    """The table and plot of `run_dirs`, plus the rows of the earlier results file `keep`."""
+    runs = [run_summary(d) for d in run_dirs]
+    runs += earlier_rows(keep, {r["run"] for r in runs}) if keep else []
+    runs.sort(key=lambda r: r["train_supervised_tokens"])
     lines = [
         "Held-out simulated accepted length per round (target's token included), last evaluation of each run:\n",
         "| training conversations | supervised tokens | steps | accepted T=0 | accepted T=1 | position-1 accuracy | "
@@ -50,11 +64,14 @@ def run_scaling(run_dirs: list[str], out_dir: str, target_name: str) -> dict:
     ]
     for r in runs:
         lines.append(
-            f"| {r['train_conversations']} | {r['train_supervised_tokens']:,} | {r['steps']} | "
+            f"| {r['train_conversations']}{'*' if 'measured_at' in r else ''} | {r['train_supervised_tokens']:,} | "
+            f"{r['steps']} | "
             f"{r['accepted_length_t0']:.2f} | {r['accepted_length_t1']:.2f} | {r['acc_pos_1']:.3f} | "
             f"{r['training_s'] / 60:.0f} min |"
         )
     table = "\n".join(lines)
+    if any("measured_at" in r for r in runs):
+        table += "\n\n\\* an earlier run, carried over from the results file at the commit it was measured at."
     plot = Path(out_dir) / "dspark_scaling.png"
     plot_scaling(runs, plot)
     write_results("dspark_scaling", out_dir, target_name, runs, table + f"\n\n![scaling]({plot.name})")

@@ -1,10 +1,10 @@
 """`specdecode bench training`: regeneration tokens/s (batched vs one at a time) and trainer tokens/s.
 
-Regeneration: the same single-turn prompts answered at batch size 1 and at larger batches, in fresh
-folders, alternating. Training: a few steps of the real trainer on those answers, with target features
-computed online and read from an offline cache, with the target's whole vocabulary and with the default
-reduced draft vocabulary; tokens/s counts supervised tokens (what the drafter learns from), as the trainer
-logs them.
+Regeneration: single-turn prompts answered at batch size 1 and at larger batches (at least two prompts
+per row, so a batch stays full), in fresh folders. Training: a few steps of the real trainer on those
+answers: the trainer as issue #15 found it (offline features, the target's whole vocabulary, float32)
+beside today's (the reduced draft vocabulary, bfloat16 products, offline and online features); tokens/s
+counts supervised tokens (what the drafter learns from), as the trainer logs them.
 """
 
 import json
@@ -24,21 +24,22 @@ from specdecode.training.trainer import TrainConfig, train
 
 
 def run_training_throughput(
-    target: Target, out_dir: str, prompts: int = 32, max_new_tokens: int = 96, batch_sizes=(1, 8, 16), steps: int = 6
+    target: Target, out_dir: str, prompts: int = 32, max_new_tokens: int = 96, batch_sizes=(1, 16, 64), steps: int = 6
 ) -> dict:
-    conversations = build_prompt_mix(prompts, seed=123, mix={"math": 0.5, "code": 0.5})
+    conversations = build_prompt_mix(max(prompts, 2 * max(batch_sizes)), seed=123, mix={"math": 0.5, "code": 0.5})
     runs, foreign = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for batch_size in batch_sizes:
             settings = RegenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch_size, seed=1)
             folder = Path(tmp) / f"regen-b{batch_size}"
-            report, cores = measure_quietly(lambda s=settings, f=folder: regenerate(target, conversations, str(f), s))
+            asked = conversations[: max(prompts, 2 * batch_size)]
+            report, cores = measure_quietly(lambda s=settings, f=folder, c=asked: regenerate(target, c, str(f), s))
             foreign.append(cores)
             runs.append(
                 {
                     "stage": "regenerate",
                     "batch_size": batch_size,
-                    "conversations": prompts,
+                    "conversations": len(asked),
                     "new_tokens": report.new_tokens,
                     "seconds": round(report.seconds, 2),
                     "tokens_per_s": round(report.tokens_per_s, 2),
@@ -49,12 +50,19 @@ def run_training_throughput(
         layers = default_layer_ids(target.num_layers)
         cache = Path(tmp) / "cache"
         write_feature_cache(target, layers, examples, cache)
-        variants = [("online", DEFAULT_DRAFT_VOCAB), ("offline", 0), ("offline", DEFAULT_DRAFT_VOCAB)]
-        for mode, vocab in variants:
+        variants = [
+            ("offline", 0, "float32"),
+            ("offline", DEFAULT_DRAFT_VOCAB, "float32"),
+            ("offline", DEFAULT_DRAFT_VOCAB, "bfloat16"),
+            ("online", DEFAULT_DRAFT_VOCAB, "bfloat16"),
+        ]
+        for mode, vocab, precision in variants:
             features = OnlineFeatures(target, layers) if mode == "online" else OfflineFeatures(cache, layers)
             model = build_block_drafter("dspark", target, examples=examples, draft_vocab_size=vocab)
-            config = TrainConfig(max_steps=steps, micro_batch_size=4, save_every=10**9, eval_every=10**9)
-            run_dir = Path(tmp) / f"train-{mode}-{vocab}"
+            config = TrainConfig(
+                max_steps=steps, micro_batch_size=4, save_every=10**9, eval_every=10**9, precision=precision
+            )
+            run_dir = Path(tmp) / f"train-{mode}-{vocab}-{precision}"
             _, cores = measure_quietly(
                 lambda m=model, f=features, d=run_dir, c=config: train(m, examples, examples[:4], f, c, d)
             )
@@ -67,6 +75,7 @@ def run_training_throughput(
                     "drafter": "dspark",
                     "features": mode,
                     "draft_vocab_size": vocab or target.vocab_size,
+                    "precision": precision,
                     "micro_batch_size": 4,
                     "steps": steps,
                     "tokens_per_s": round(statistics.median(speeds), 2),
@@ -87,6 +96,7 @@ def _table(runs: list[dict]) -> str:
             setting = f"batch {r['batch_size']}"
         else:
             setting = f"{r['features']} features, draft vocabulary {r.get('draft_vocab_size', 'full')}"
+            setting += f", {r.get('precision', 'float32')}"
         lines.append(f"| {r['stage']} | {setting} | {r['tokens_per_s']:.1f} |")
     return (
         "Regeneration: new tokens per second. Training: supervised tokens per second of the DSpark trainer "

@@ -22,8 +22,9 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from functools import partial
@@ -74,7 +75,12 @@ class TrainConfig:
     eval_every: int = 50
     eval_examples: int = 32
     log_every: int = 1
+    precision: str = "float32"  # or "bfloat16": matrix products in bfloat16 (autocast), weights and AdamW in float32
     collective_timeout_s: float = 600.0  # under torchrun: a rank waiting longer on its peers fails instead of hanging
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("float32", "bfloat16"):
+            raise SpecDecodeError(f"unknown training precision '{self.precision}'; use float32 or bfloat16")
 
 
 def lr_at(step: int, total_steps: int, config: TrainConfig) -> float:
@@ -95,6 +101,19 @@ def derived_seed(*words: int) -> int:
 def epoch_order(n_examples: int, seed: int, epoch: int) -> np.ndarray:
     """The global permutation of the training examples in `epoch`, the same on every rank and every restart."""
     return np.random.default_rng(derived_seed(seed, 0, epoch)).permutation(n_examples)
+
+
+@contextmanager
+def autocast(config: TrainConfig, device: torch.device) -> Iterator[None]:
+    """The precision the drafter's forward runs in: bfloat16 autocast halves the bytes and doubles the
+    multiply rate where the hardware has native BF16 (measured 1.5x a DSpark step on AVX512-BF16)."""
+    if config.precision == "float32":
+        yield
+        return
+    with torch.autocast(device.type, dtype=torch.bfloat16), warnings.catch_warnings():
+        # nn.RMSNorm's float32 weight on bfloat16 activations takes the unfused kernel, which is correct
+        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+        yield
 
 
 def losses_of(model: nn.Module) -> Callable[[FeatureBatch, torch.Generator], dict[str, torch.Tensor]]:
@@ -240,7 +259,8 @@ def train(
                     generator = torch.Generator().manual_seed(derived_seed(config.seed, 1, step, m))
                     last_micro_batch = a == config.grad_accum - 1
                     with trainee.no_sync() if ddp and not last_micro_batch else nullcontext():
-                        out = trainee(batch, generator)
+                        with autocast(config, device):
+                            out = trainee(batch, generator)
                         (out["loss"] / config.grad_accum).backward()  # DDP averages over ranks on top
                     keys = keys or sorted(out)
                     values = torch.stack([out[k].detach().float() for k in keys] + [batch.loss_mask.sum().float()])
@@ -360,7 +380,8 @@ def evaluate(
     totals = torch.zeros(len(keys) + 1, device=device)  # metric sums and the micro-batch count
     for j in range(rank, len(chunks), world_size):
         generator = torch.Generator().manual_seed(derived_seed(config.seed, 2, j))
-        out = losses_of(model)(features.batch(chunks[j]).to(device), generator)
+        with autocast(config, device):
+            out = losses_of(model)(features.batch(chunks[j]).to(device), generator)
         totals += torch.stack([out[k].float() for k in keys] + [torch.ones((), device=device)])
     if world_size > 1:
         dist.all_reduce(totals)
@@ -415,7 +436,8 @@ def load_checkpoint(out_dir: Path) -> dict | None:
 
 def _check_resumable(state: dict, config: TrainConfig, world_size: int, n_examples: int) -> None:
     """A resumed run must compute what the first one would have; anything else needs a new out dir."""
-    saved, now = state["config"], json.loads(json.dumps(asdict(config)))
+    saved = {"precision": "float32", **state["config"]}  # runs saved before the setting existed ran in float32
+    now = json.loads(json.dumps(asdict(config)))
     changed = [
         f"{k}: {saved.get(k)} -> {v}" for k, v in now.items() if k not in RESUMABLE_CHANGES and saved.get(k) != v
     ]

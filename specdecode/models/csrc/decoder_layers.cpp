@@ -10,6 +10,7 @@
 // per-head q/k norms. Everything else stays on the Python loop (models/llama.py).
 #include <torch/extension.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -64,7 +65,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
   TORCH_CHECK(R == slots.size(0) && R * Q == M && static_cast<int64_t>(starts.size()) == R, "decoder_layers: rows");
   slots = slots.contiguous();
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const double scale = std::pow(static_cast<double>(D), -0.5);  // as the Python loop computes D ** -0.5
   auto q = torch::empty({R, KV, group * Q, D}, x.options());
   auto attended = torch::empty({M, H * D}, x.options());
   std::vector<torch::Tensor> captured;
