@@ -207,3 +207,15 @@ def test_one_request_cache_grows_past_its_first_capacity():
     out = [t.forward(ids[:head]) and t.forward(ids[head:]) for t in (target, reference)]
     assert target.kv.capacity > capacity
     torch.testing.assert_close(out[0].logits, out[1].logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_float32_drafter_trains_through_a_frozen_bfloat16_head():
+    """A whole-vocabulary block drafter's logits come from the target's head, which is bfloat16 wherever the
+    target runs in bfloat16: a float32 trainer's activations must pass through it, gradients and all."""
+    generator = torch.Generator().manual_seed(0)
+    head = Linear(torch.randn(96, 64, generator=generator).bfloat16())
+    x = torch.randn(5, 64, generator=generator, requires_grad=True)
+    y = head(x)
+    y.sum().backward()
+    assert y.dtype == torch.float32 and x.grad is not None and x.grad.dtype == torch.float32
+    torch.testing.assert_close(y, (x.bfloat16() @ head.weight.T).float())

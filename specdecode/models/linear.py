@@ -163,7 +163,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:  # training through a frozen layer: autograd's kernel
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, shape[-1])
         kernel = self.plan.get(bucket(x.shape[0]), "stock")

@@ -380,8 +380,9 @@ def evaluate(
     totals = torch.zeros(len(keys) + 1, device=device)  # metric sums and the micro-batch count
     for j in range(rank, len(chunks), world_size):
         generator = torch.Generator().manual_seed(derived_seed(config.seed, 2, j))
+        batch = features.batch(chunks[j]).to(device)  # the target's own pass stays out of the autocast
         with autocast(config, device):
-            out = losses_of(model)(features.batch(chunks[j]).to(device), generator)
+            out = losses_of(model)(batch, generator)
         totals += torch.stack([out[k].float() for k in keys] + [torch.ones((), device=device)])
     if world_size > 1:
         dist.all_reduce(totals)
