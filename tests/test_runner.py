@@ -8,12 +8,22 @@ on logits of magnitude ~30 (measured: 1e-4). 2e-3 absolute leaves room for other
 any real mistake (a wrong position, mask or cache entry) moves logits by whole units.
 """
 
+import json
+
 import pytest
 import torch
 
 from specdecode.engine.batch import BatchedTarget
 from specdecode.engine.decode import tree_attention
-from specdecode.models.linear import FEW_ROWS_MAX, Linear, cpu_kernels_available, native_bfloat16, plan_kernels
+from specdecode.models.linear import (
+    FEW_ROWS_MAX,
+    Linear,
+    cpu_kernels_available,
+    native_bfloat16,
+    pack_panels,
+    panels_fit,
+    plan_kernels,
+)
 from specdecode.models.llama import Rows, unsupported_reason
 from specdecode.models.target import Target
 from tests.conftest import tiny_llama, tiny_tokenizer
@@ -180,6 +190,24 @@ def test_few_rows_kernel_is_exact_per_row_whatever_the_row_count(dtype):
     torch.testing.assert_close(alone, rows @ weight.float().T, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.skipif(
+    not cpu_kernels_available() or not torch.ops.specdecode.bfloat16_panels(), reason="no native bfloat16 products"
+)
+def test_bfloat16_panels_are_exact_per_row_and_compute_the_rounded_product():
+    """The panel layout: row r's output is bit-identical alone or beside up to 39 other rows (tiles of 1-6
+    rows, several tiles a group), and equals the product of the bfloat16-rounded rows and weights."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(192, 202, generator=generator).bfloat16()
+    assert panels_fit(weight) and not panels_fit(weight[:100]) and not panels_fit(weight.float())
+    panels = pack_panels(weight)
+    x = torch.randn(40, 202, generator=generator)
+    alone = torch.cat([torch.ops.specdecode.few_rows_linear(x[r : r + 1], panels) for r in range(len(x))])
+    for m in (2, 3, 5, 6, 7, 8, 12, 13, 16, 40):
+        assert torch.equal(torch.ops.specdecode.few_rows_linear(x[:m], panels), alone[:m]), m
+    torch.testing.assert_close(alone, x.bfloat16().float() @ weight.float().T, atol=1e-4, rtol=1e-5)
+    assert Linear(weight).kernel_weight.shape == (3, 101, 128)
+
+
 def test_forced_kernels_compute_the_same_and_auto_picks_a_measured_candidate(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     generator = torch.Generator().manual_seed(1)
@@ -192,8 +220,9 @@ def test_forced_kernels_compute_the_same_and_auto_picks_a_measured_candidate(tmp
     plan = plan_kernels(linears, "auto", {"test": "auto"}, reps=1)
     for rows, timings in plan["timings"].items():
         assert plan["choice"][rows] == min(timings, key=timings.get)
-    assert list(tmp_path.glob("specdecode/kernel-plans/*.json"))  # measured once, then read back
-    assert plan_kernels(linears, "auto", {"test": "auto"})["choice"] == plan["choice"]
+    assert list(tmp_path.glob("specdecode/kernel-plans/*.json"))  # measured once, then read back, not re-timed
+    again = plan_kernels(linears, "auto", {"test": "auto"})
+    assert again["choice"] == plan["choice"] and again["timings"] == json.loads(json.dumps(plan["timings"]))
 
 
 def test_one_request_cache_grows_past_its_first_capacity():

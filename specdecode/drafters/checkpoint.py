@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdecode.drafters.layers import freeze_norms
 from specdecode.errors import SpecDecodeError
 from specdecode.models.linear import freeze_linears
 from specdecode.models.target import Target, first_line
@@ -101,6 +102,8 @@ def frozen(model: torch.nn.Module, kind: str, target: Target) -> torch.nn.Module
     """A loaded drafter is inference-only: its linears take the target's weight dtype (bfloat16 where the
     machine chose it: half the bytes a round) and the kernels measured on this machine."""
     freeze_linears(model.to(target.device).eval(), f"{kind}-drafter", dtype=target.dtype)
+    if target.device.type == "cpu":
+        freeze_norms(model)
     return model
 
 

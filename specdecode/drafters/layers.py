@@ -30,6 +30,34 @@ class Rotary(nn.Module):
         return x * emb.cos().to(x.dtype) + rotate_half(x) * emb.sin().to(x.dtype)
 
 
+class FrozenRMSNorm(nn.Module):
+    """An inference-only RMSNorm of float32 rows by the runner's C++ loop: at a drafter's few rows the stock
+    op chain (square, mean, rsqrt, two products) costs ~40 µs of dispatch a call, the loop a few; a drafting
+    round runs 9-11 norms."""
+
+    def __init__(self, norm: nn.RMSNorm) -> None:
+        super().__init__()
+        self.weight = norm.weight.detach().float()  # a plain tensor: never trained, never in a state dict
+        self.eps = norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.rms_norm(x, x.shape[-1:], self.weight.to(x.dtype), self.eps)
+        return torch.ops.specdecode.add_rms_norm(x.contiguous(), None, self.weight, self.eps)
+
+
+def freeze_norms(module: nn.Module) -> None:
+    """Swap every `nn.RMSNorm` of an inference-only module for a `FrozenRMSNorm` (where the C++ kernels built)."""
+    from specdecode.models.linear import cpu_kernels_available
+
+    if not cpu_kernels_available():
+        return
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.RMSNorm:
+                setattr(parent, name, FrozenRMSNorm(child))
+
+
 class BlockShape(Protocol):
     hidden_size: int
     intermediate_size: int

@@ -11,8 +11,9 @@ Candidates:
 - `stock`: `F.linear` (MKL on x86 CPUs).
 - `onednn`: `torch.ops.mkldnn` with the weight prepacked once (float32 and bfloat16 on x86).
 - `few-rows`: specdecode's C++ kernel (`csrc/runner_kernels.cpp`, built on first use with the machine's compiler),
-  float32 rows against float32 or bfloat16 weights, at most `FEW_ROWS_MAX` rows; its outputs do not depend
-  on how many rows share a pass.
+  float32 rows against float32 or bfloat16 weights; its outputs do not depend on how many rows share a pass.
+  Where the CPU multiplies bfloat16 natively, bfloat16 weights are read as panels (`pack_panels`): a verify
+  pass of 8 rows then costs about what one row costs (the weights stream once, every load serves all rows).
 
 Exact rows: the target runner plans with `exact=True`, so every bucket up to `FEW_ROWS_MAX` (a decode step,
 a verify pass) runs the few-rows kernel wherever it builds. A verify pass over k positions then computes,
@@ -145,6 +146,15 @@ class Linear:
         self.bias = bias
         self.plan: dict[int, str] = {}  # row bucket -> kernel; missing buckets use stock
         self._packed: torch.Tensor | None = None
+        self._panels: torch.Tensor | None = None
+
+    @property
+    def kernel_weight(self) -> torch.Tensor:
+        """What the few-rows kernel reads: bfloat16 panels where the CPU multiplies bfloat16 natively and the
+        shape allows (packed once, on first use), else the weight as loaded."""
+        if self._panels is None:
+            self._panels = pack_panels(self.weight) if panels_fit(self.weight) else self.weight
+        return self._panels
 
     def pack_onednn(self) -> None:
         if self._packed is None:
@@ -155,7 +165,7 @@ class Linear:
 
     def run(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         if kernel == "few-rows":
-            y = torch.ops.specdecode.few_rows_linear(x, self.weight)
+            y = torch.ops.specdecode.few_rows_linear(x, self.kernel_weight)
             return y if self.bias is None else y + self.bias
         if kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -169,6 +179,32 @@ class Linear:
         kernel = self.plan.get(bucket(x.shape[0]), "stock")
         y = self.run(x.to(input_dtype(kernel, self.weight.dtype)), kernel).to(dtype)
         return y.view(*shape[:-1], y.shape[-1])
+
+
+PANEL_OUTPUTS = 64  # outputs per panel group of the bfloat16 kernel (csrc/runner_kernels.cpp)
+
+
+def panels_fit(weight: torch.Tensor) -> bool:
+    """Whether `weight` runs as bfloat16 panels: a bfloat16 CPU matrix of whole panel groups and pairs of
+    inputs, on a CPU whose kernels were built with native bfloat16 products."""
+    n, k = weight.shape
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and n % PANEL_OUTPUTS == 0
+        and k % 2 == 0
+        and cpu_kernels_available()
+        and torch.ops.specdecode.bfloat16_panels()
+    )
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> (N / 64, K / 2, 128): group g, input pair j holds outputs 64 g .. 64 g + 63 as four vectors of
+    16 outputs x (k = 2 j, 2 j + 1), the operand layout of a pairwise bfloat16 product instruction. A group's
+    weights are one contiguous stream, and no partial sum needs its lanes added at the end."""
+    n, k = weight.shape
+    groups = weight.view(n // PANEL_OUTPUTS, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4)
+    return groups.reshape(n // PANEL_OUTPUTS, k // 2, 8 * 16).contiguous()
 
 
 class FrozenLinear(nn.Module):
@@ -214,9 +250,14 @@ def bucket(rows: int) -> int:
 
 
 def candidates(dtype: torch.dtype, rows: int, exact: bool = False) -> list[str]:
-    """The kernels that may run `rows` rows; with `exact`, only the few-rows kernel where it applies."""
-    if dtype in (torch.float32, torch.bfloat16) and rows <= FEW_ROWS_MAX and cpu_kernels_available():
-        return ["few-rows"] if exact else ["stock", *_library_kernels(dtype), "few-rows"]
+    """The kernels that may run `rows` rows; with `exact`, only the few-rows kernel up to `FEW_ROWS_MAX` rows,
+    and at every row count where bfloat16 weights run as panels (then a prefill or a batch of requests computes
+    each row as one request alone would: mixing kernels across buckets moved bfloat16 logits by up to 0.5)."""
+    if dtype in (torch.float32, torch.bfloat16) and cpu_kernels_available():
+        panels = dtype == torch.bfloat16 and torch.ops.specdecode.bfloat16_panels()
+        if exact and (rows <= FEW_ROWS_MAX or panels):
+            return ["few-rows"]
+        return ["stock", *_library_kernels(dtype), "few-rows"]
     return ["stock", *_library_kernels(dtype)]
 
 
@@ -255,6 +296,7 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
         timings: dict = {}
     else:
         key = {**signature, "kernels": kernels_digest(), "threads": torch.get_num_threads(), "exact": exact}
+        key["candidates"] = {str(b): candidates(dtype, b, exact) for b in ROW_BUCKETS}  # a new candidate replans
         path = cache_dir() / "kernel-plans" / f"{stable_digest(key)}.json"
         cached = json.loads(path.read_text()) if path.exists() else None
         if cached and "few-rows" in cached["choice"].values() and not cpu_kernels_available():

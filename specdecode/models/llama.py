@@ -180,7 +180,14 @@ class _Layer:
 
     def loop_weights(self) -> tuple[torch.Tensor, ...]:
         """The weights in the order the C++ layer loop takes them."""
-        return self.input_norm, self.qkv.weight, self.o.weight, self.post_norm, self.gate_up.weight, self.down.weight
+        return (
+            self.input_norm,
+            self.qkv.kernel_weight,
+            self.o.kernel_weight,
+            self.post_norm,
+            self.gate_up.kernel_weight,
+            self.down.kernel_weight,
+        )
 
 
 def _fuse(modules: list[torch.nn.Linear]) -> Linear:

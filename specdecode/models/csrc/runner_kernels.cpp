@@ -212,8 +212,91 @@ static void linear_by_rows(const X* x, const T* W, float* Y, int64_t M, int64_t 
   }
 }
 
-// x float32; w float32 or bfloat16; y float32.
+#if defined(__AVX512BF16__)
+// bfloat16 weights packed in panels (models/linear.py `pack_panels`): (N / 64, K / 2, 128), where group g, pair
+// j holds outputs 64 g .. 64 g + 63 as four vectors of 16 outputs x (k = 2 j, 2 j + 1). A tile keeps 4 x MT
+// accumulators of 16 outputs each and, per pair, loads 256 contiguous bytes of weights and broadcasts each
+// row's pair: no lane sums at the end, every weight load serves MT rows, and a thread's weights are one
+// sequential stream. Each output is one accumulator summed pair by pair from k = 0 whatever M and the tile
+// are, so a row's result never depends on the other rows of its pass.
+constexpr int64_t kPanelOutputs = 64;
+
+// Rows m0 .. m0 + MT - 1 against one group: 4 x MT accumulators of 16 outputs each.
+template <int MT>
+static inline void panel_tile(const uint32_t* X, const at::BFloat16* P, float* Y, int64_t m0, int64_t n0, int64_t K2,
+                              int64_t N) {
+  __m512 acc[MT][4];
+  for (int m = 0; m < MT; ++m)
+    for (int p = 0; p < 4; ++p) acc[m][p] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < K2; ++j) {
+    const at::BFloat16* wj = P + j * 128;
+    __m512bh w[4];
+    for (int p = 0; p < 4; ++p) w[p] = (__m512bh)_mm512_loadu_si512(wj + p * 32);
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(X[(m0 + m) * K2 + j]));
+      for (int p = 0; p < 4; ++p) acc[m][p] = _mm512_dpbf16_ps(acc[m][p], xb, w[p]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int p = 0; p < 4; ++p) _mm512_storeu_ps(Y + (m0 + m) * N + n0 + p * 16, acc[m][p]);
+}
+
+static inline void panel_rows(const uint32_t* X, const at::BFloat16* P, float* Y, int64_t m0, int64_t rows,
+                              int64_t n0, int64_t K2, int64_t N) {
+  switch (rows) {
+    case 1: return panel_tile<1>(X, P, Y, m0, n0, K2, N);
+    case 2: return panel_tile<2>(X, P, Y, m0, n0, K2, N);
+    case 3: return panel_tile<3>(X, P, Y, m0, n0, K2, N);
+    case 4: return panel_tile<4>(X, P, Y, m0, n0, K2, N);
+    case 5: return panel_tile<5>(X, P, Y, m0, n0, K2, N);
+    default: return panel_tile<6>(X, P, Y, m0, n0, K2, N);
+  }
+}
+
+// Rows split into near-equal tiles of at most six (24 accumulators + 4 weight vectors fit the 32 registers);
+// a group's weights come from memory for the first tile and from cache for the others. Measured on a Zen 4
+// EPYC (2 cores, 233 G products/s of vdpbf16ps at peak): 160-180 G/s at 4-16 rows on a 3072 x 576 matrix;
+// the model's linears at 8 rows cost 1.1-1.3x one row (the row-layout tiles: 1.5-2x).
+static torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels) {
+  const int64_t M = x.size(0), groups = panels.size(0), K2 = panels.size(1), N = groups * kPanelOutputs;
+  TORCH_CHECK(x.size(1) == 2 * K2 && panels.size(2) == 128 && panels.is_contiguous(), "few_rows_linear: panels");
+  const auto rows = x.to(at::kBFloat16).contiguous();  // round to nearest even, once per pass
+  const uint32_t* X = reinterpret_cast<const uint32_t*>(rows.data_ptr<at::BFloat16>());
+  const at::BFloat16* P = panels.data_ptr<at::BFloat16>();
+  auto y = torch::empty({M, N}, x.options());
+  float* Y = y.data_ptr<float>();
+  const int64_t tiles = (M + 5) / 6;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t m0 = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t count = (M - m0) / (tiles - t);
+        panel_rows(X, P + g * K2 * 128, Y, m0, count, g * kPanelOutputs, K2, N);
+        m0 += count;
+      }
+    }
+  });
+  return y;
+}
+#endif
+
+bool bfloat16_panels() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x float32; w float32 or bfloat16 (N, K), or bfloat16 panels (see panel_linear); y float32.
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
+#if defined(__AVX512BF16__)
+  if (w.dim() == 3) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kBFloat16,
+                "few_rows_linear: float32 rows, bfloat16 panels");
+    return panel_linear(x.contiguous(), w);
+  }
+#endif
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "few_rows_linear: x (M, K), w (N, K)");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "few_rows_linear: float32 inputs");
   TORCH_CHECK(w.is_contiguous(), "few_rows_linear: w must be contiguous");
@@ -289,6 +372,7 @@ void rotate_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor si
 
 TORCH_LIBRARY(specdecode, m) {
   m.def("few_rows_linear(Tensor x, Tensor w) -> Tensor", &few_rows_linear);
+  m.def("bfloat16_panels() -> bool", &bfloat16_panels);
   m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("rotate_(Tensor(a!) x, int heads, Tensor cos, Tensor sin) -> ()", &rotate_);
 }
