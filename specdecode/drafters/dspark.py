@@ -219,21 +219,21 @@ class DSparkModel(nn.Module):
         forcing passes the labels as `choose` (a tensor (..., G) of target ids); inference passes a function
         draft logits -> target id.
         """
-        logits, conf, tokens, state = [], [], [], None
+        logits, embedded, tokens, state = [], [], [], None
         for k in range(h.shape[-2]):
-            step_logits, e = base_logits[..., k, :], None
+            step_logits = base_logits[..., k, :]
             if self.markov is not None:
                 bias, e, state = self.markov.step(h[..., k, :], prev, state)
                 step_logits = step_logits + bias
-            if self.config.confidence_head:
-                features = h[..., k, :] if e is None else torch.cat([h[..., k, :], e], -1)
-                conf.append(self.confidence(features).squeeze(-1))
+                embedded.append(e)
             token = choose[..., k] if isinstance(choose, torch.Tensor) else choose(step_logits)
             logits.append(step_logits)
             tokens.append(token)
             prev = token
-        stack = torch.stack
-        return stack(logits, -2), (stack(conf, -1) if conf else None), stack(tokens, -1)
+        conf = None
+        if self.config.confidence_head:  # nothing feeds back from it: one product for the whole block
+            conf = self.confidence(torch.cat([h, torch.stack(embedded, -2)], -1) if embedded else h).squeeze(-1)
+        return torch.stack(logits, -2), conf, torch.stack(tokens, -1)
 
 
 class BlockDrafter(Drafter):
