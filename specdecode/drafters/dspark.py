@@ -238,7 +238,9 @@ class DSparkModel(nn.Module):
 
 class BlockDrafter(Drafter):
     """Inference with a DSpark/DFlash model: the projected context K/V is cached and grows each round;
-    the block's own K/V is never kept."""
+    the block's own K/V is never kept. Committed positions' target features wait until the next draft and
+    are then projected in one product (for every drafting request at once): rounds that go without drafting
+    (the gate, or a scheduler that verifies nothing) cost the drafter nothing."""
 
     def __init__(self, model: DSparkModel) -> None:
         self.model = model.eval()
@@ -254,22 +256,28 @@ class BlockDrafter(Drafter):
         self.params, self.generator = params, generator
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.length = 0
-        if features is not None:
-            self._append(features)
+        self.pending: list[torch.Tensor] = [] if features is None else [features.layer_hidden]
 
+    @classmethod
     @torch.inference_mode()
-    def _append(self, features: TargetFeatures) -> None:
-        """Project the target features of newly committed positions into every layer's context K/V."""
-        n = features.layer_hidden.shape[0]
-        positions = torch.arange(self.length, self.length + n)[None]
-        new = self.model.context_kv(self.model.context(features.layer_hidden[None]), positions)
-        if self.kv is None:
-            self.kv = new
-        else:
-            self.kv = [
-                (torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.kv, new, strict=True)
-            ]
-        self.length += n
+    def _project_pending(cls, drafters: list["BlockDrafter"]) -> None:
+        """Project the pending target features of every drafter into its layers' context K/V: one product
+        over all their rows (each row's projection is its own), then each drafter's slice appended."""
+        waiting = [d for d in drafters if d.pending]
+        if not waiting:
+            return
+        model = waiting[0].model
+        rows = [torch.cat(d.pending) for d in waiting]
+        positions = torch.cat([torch.arange(d.length, d.length + len(r)) for d, r in zip(waiting, rows, strict=True)])
+        new = model.context_kv(model.context(torch.cat(rows)[None]), positions[None])
+        first = 0
+        for d, r in zip(waiting, rows, strict=True):
+            mine = [(k[:, :, first : first + len(r)], v[:, :, first : first + len(r)]) for k, v in new]
+            old = d.kv or [(k[:, :, :0], v[:, :, :0]) for k, v in mine]
+            d.kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(old, mine, strict=True)]
+            d.length += len(r)
+            d.pending = []
+            first += len(r)
 
     @property
     def _samples(self) -> bool:
@@ -286,7 +294,9 @@ class BlockDrafter(Drafter):
         (the LM head alone is the size of the target's embedding) are read once per round, not once per request.
         Contexts of different lengths are right-padded and masked out."""
         proposals = [EMPTY_PROPOSAL] * len(drafters)
-        rows = [r for r, d in enumerate(drafters) if max_tokens[r] > 0 and d.kv is not None]
+        drafting = [r for r, d in enumerate(drafters) if max_tokens[r] > 0]
+        cls._project_pending([drafters[r] for r in drafting])
+        rows = [r for r in drafting if drafters[r].kv is not None]
         if not rows:
             return proposals
         model, c = drafters[rows[0]].model, drafters[rows[0]].config
@@ -320,7 +330,7 @@ class BlockDrafter(Drafter):
         return proposals
 
     def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
-        self._append(features)
+        self.pending.append(features.layer_hidden)
 
 
 def _padded_context(drafters: list[BlockDrafter], block_size: int):
