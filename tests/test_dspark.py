@@ -145,6 +145,39 @@ def test_batched_proposals_equal_single_ones():
             torch.testing.assert_close(got.confidences, alone.confidences)
 
 
+def test_features_left_pending_by_rounds_without_drafting_give_the_same_context():
+    """Committed features are projected at the next draft: a drafter that observed four rounds without drafting
+    (the gate said no) then drafts what a drafter that drafted every round drafts, and its context K/V holds
+    the same values; the pending features of two requests are projected in one product."""
+    target = tiny_target(vocab_size=24)
+    model = make_model(target)
+    ids = torch.randint(2, 24, (2, 16), generator=torch.Generator().manual_seed(5))
+    outs = [features_of(target, row) for row in ids]
+    eager, lazy = [BlockDrafter(model) for _ in ids], [BlockDrafter(model) for _ in ids]
+    for drafters in (eager, lazy):
+        for d, out, row in zip(drafters, outs, ids, strict=True):
+            d.begin(row[:4].tolist(), SamplingParams(), torch.Generator(), TargetFeatures(out.layer_hidden[:3], None))
+    for end in (6, 7, 10, 14):  # rounds committing 2, 1, 3 and 4 tokens
+        for drafters in (eager, lazy):
+            for d, out, row in zip(drafters, outs, ids, strict=True):
+                start = d.length + sum(len(p) for p in d.pending)
+                d.observe(row[:end].tolist(), 0, TargetFeatures(out.layer_hidden[start : end - 1], None))
+        BlockDrafter.propose_batch(eager, [row[:end].tolist() for row in ids], [3, 3])
+    assert all(d.pending for d in lazy) and not any(d.pending for d in eager)
+    got = BlockDrafter.propose_batch(lazy, [row[:14].tolist() for row in ids], [3, 3])
+    want = BlockDrafter.propose_batch(eager, [row[:14].tolist() for row in ids], [3, 3])
+    for a, b, d, e, out in zip(got, want, lazy, eager, outs, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist() and d.length == e.length == 13
+        torch.testing.assert_close(a.confidences, b.confidences)
+        with torch.no_grad():  # the whole context projected at once, at positions 0..12
+            whole = model.context_kv(model.context(out.layer_hidden[None, :13]), torch.arange(13)[None])
+        for (k, v), (ek, ev), (wk, wv) in zip(d.kv, e.kv, whole, strict=True):
+            for x in (k, ek):
+                torch.testing.assert_close(x, wk)
+            for x in (v, ev):
+                torch.testing.assert_close(x, wv)
+
+
 @pytest.mark.parametrize(
     "markov_rank,fill_in,draft_ids",
     [(0, False, None), (0, True, None), (8, False, None), (8, False, REDUCED)],
