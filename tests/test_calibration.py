@@ -141,9 +141,14 @@ def test_calibration_is_stored_and_used(tmp_path):
     torch.testing.assert_close(logits["d"], expected, rtol=1e-4, atol=1e-4, equal_nan=True)
 
 
-def test_unseen_prompts_of_a_packed_file_leave_out_its_conversations():
+def test_unseen_prompts_of_a_packed_file_leave_out_its_conversations(smollm2, tmp_path):
     packed = Path(__file__).resolve().parents[1] / "data" / "regenerated" / "smollm2-135m.npz"
     trained = {str(i) for i in np.load(packed)["ids"]}
-    prompts = unseen_prompts(str(packed), 20)
+    prompts = unseen_prompts(smollm2, str(packed), 20)
     id_of = {c.turns[0]: c.id for c in build_prompt_mix(len(trained) + 80)}
     assert len(prompts) == 20 and not {id_of[p[0]["content"]] for p in prompts} & trained
+    damaged = tmp_path / packed.name  # read like any packed file: its manifest's hash is checked
+    damaged.write_bytes(packed.read_bytes()[:-1] + b"x")
+    (tmp_path / "smollm2-135m.json").write_text((packed.parent / "smollm2-135m.json").read_text())
+    with pytest.raises(SpecDecodeError, match="damaged"):
+        unseen_prompts(smollm2, str(damaged), 20)

@@ -12,7 +12,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -35,11 +34,14 @@ from specdecode.training.prompts import build_prompt_mix
 from specdecode.training.regenerate import read_records
 
 
-def unseen_prompts(data_dir: str, count: int, seed: int = 0) -> list[list[dict]]:
+def unseen_prompts(target: Target, data_dir: str, count: int, seed: int = 0) -> list[list[dict]]:
     """First-turn chat messages of mix prompts absent from the regenerated data (never trained on): a
-    regeneration folder, or a packed `.npz`, whose ids name prompts of the mix built with the same seed."""
+    regeneration folder, whose ids name prompts of the mix built with `seed`, or a packed `.npz` (checked
+    against its manifest, whose regeneration seed built the mix its ids name)."""
     if Path(data_dir).suffix == ".npz":
-        seen_ids = {str(i) for i in np.load(data_dir)["ids"]}
+        from specdecode.training.artifact import packed_prompts
+
+        seen_ids, seed = packed_prompts(target, data_dir)
         pool = build_prompt_mix(len(seen_ids) + 4 * count, seed=seed)
         seen_texts = {turn for c in pool if c.id in seen_ids for turn in c.turns}
     else:
@@ -104,7 +106,7 @@ def run_calibration(
     max_new_tokens: int = 160,
 ) -> dict:
     params = SamplingParams(temperature=temperature)
-    prompts = unseen_prompts(data_dir, num_prompts)
+    prompts = unseen_prompts(target, data_dir, num_prompts)
     rounds = record_rounds(target, drafter_path, prompts, params, max_new_tokens)
     fit_half, report_half = rounds.split()
     fit = fit_sequential_temperatures(fit_half)

@@ -104,7 +104,7 @@ def run_scheduler_bench(
     trials: int = 2000,
 ) -> dict:
     params = SamplingParams(temperature=temperature)
-    prompts = unseen_prompts(data_dir, num_prompts)
+    prompts = unseen_prompts(target, data_dir, num_prompts)
     rounds = record_rounds(target, drafter_path, prompts, params, max_new_tokens)
     drafter = load_drafter(drafter_path, target)
     gamma = drafter.config.draft_length

@@ -116,6 +116,13 @@ def packed_ids(target: Target, path: str | Path, settings: dict) -> set[str]:
     return set(arrays["ids"].tolist())
 
 
+def packed_prompts(target: Target, path: str | Path) -> tuple[set[str], int]:
+    """The conversation ids a packed file holds (checked like any read of it) and the seed of the prompt mix
+    they name (a regeneration builds its mix with its own seed)."""
+    manifest, arrays = _read_checked(target, path)
+    return set(arrays["ids"].tolist()), int(manifest["regeneration_settings"].get("seed", 0))
+
+
 def _check_same_sampling(path: str | Path, manifest: dict, settings: dict | None) -> None:
     if manifest.get("regeneration_settings") != settings:
         raise SpecDecodeError(
