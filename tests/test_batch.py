@@ -245,3 +245,12 @@ def test_engine_sampling_follows_each_requests_seed(drafter_kind):
         assert [h.result(60).token_ids for h in handles] == references
     finally:
         engine.stop()
+
+
+def test_premise_times_a_decode_step_per_batch_size():
+    """`bench premise` times one step of R requests (each in its own slot, one token each) per context."""
+    from specdecode.evaluation.premise import BATCH_ROWS, batched_decoding
+
+    rows = batched_decoding(tiny_target(), [6, 12], reps=1, generator=torch.Generator().manual_seed(0))
+    assert [(r["context"], r["rows"]) for r in rows] == [(c, n) for c in (6, 12) for n in BATCH_ROWS]
+    assert all(r["ms_median"] > 0 for r in rows) and {r["throughput_vs_1"] for r in rows if r["rows"] == 1} == {1.0}

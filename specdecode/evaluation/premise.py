@@ -29,6 +29,9 @@ from specdecode.models.target import Target, other_dtype
 FORCED_KERNELS = ("stock", "onednn", "few-rows")
 
 
+BATCH_ROWS = (1, 4, 16, 64)  # requests decoded together, one new token each
+
+
 def _time_pass(target: Target, context: int, k: int, generator: torch.Generator) -> float:
     target.rollback(context)
     ids = torch.randint(100, target.vocab_size, (k,), generator=generator)
@@ -107,7 +110,8 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
                 )
     variants = list(targets)
     chosen = {"dtype": str(default.dtype), "kernel_per_rows": default.runner.kernel_plan["choice"]}
-    summary = _summary(runs, contexts, positions)
+    batched = batched_decoding(default, contexts, reps, generator)
+    summary = _summary(runs, contexts, positions) + "\n\n" + _batched_table(batched)
     table = _table(runs, variants, positions, contexts)
     plot = _plot(runs, variants, positions, contexts, out_dir)
     write_results(
@@ -121,9 +125,63 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
         cpu_probe={"read_gb_per_s": round(hardware.bandwidth_bytes_per_s / 1e9, 2)},
         chosen_configuration=chosen,
         kernel_timings_ms=default.runner.kernel_plan["timings"],
+        batched_decoding=batched,
     )
     print(summary + "\n\n" + table)
     return {"runs": runs}
+
+
+def batched_decoding(target: Target, contexts: list[int], reps: int, generator: torch.Generator) -> list[dict]:
+    """A decode step of R requests at once (one new token each, every request `context` tokens into its own
+    KV slot), the default runner, R interleaved: the ms of a step and the tokens/s against one request's."""
+    from specdecode.engine.batch import BatchedTarget
+
+    target.set_capture_layers([])
+    out = []
+    for context in contexts:
+        batches = {}
+        for rows in BATCH_ROWS:
+            batched = BatchedTarget(target, rows, context + 8)
+            slots = [batched.acquire() for _ in range(rows)]
+            prompts = [torch.randint(target.vocab_size, (context,), generator=generator) for _ in slots]
+            batched.forward(slots, prompts, logits=False)
+            batches[rows] = (batched, slots)
+        times: dict[int, list[float]] = {rows: [] for rows in BATCH_ROWS}
+        for _ in range(reps + 1):  # the first round warms up
+            for rows, (batched, slots) in batches.items():
+                new = [torch.randint(target.vocab_size, (1,), generator=generator) for _ in slots]
+                for slot in slots:
+                    batched.rollback(slot, context)
+                start = time.perf_counter()
+                batched.forward(slots, new)
+                times[rows].append((time.perf_counter() - start) * 1000)
+        one = statistics.median(times[1][1:])
+        for rows in BATCH_ROWS:
+            ms = statistics.median(times[rows][1:])
+            out.append(
+                {
+                    "context": context,
+                    "rows": rows,
+                    "ms_median": round(ms, 3),
+                    "throughput_vs_1": round(rows * one / ms, 2),
+                }
+            )
+        del batches
+    return out
+
+
+def _batched_table(batched: list[dict]) -> str:
+    lines = [
+        "Batched decoding: one step of R requests, one new token each (median ms; tokens/s against one request).\n",
+        "| context | " + " | ".join(f"R={r}" for r in BATCH_ROWS) + " |",
+        "|---:|" + "---:|" * len(BATCH_ROWS),
+    ]
+    for context in sorted({b["context"] for b in batched}):
+        cells = [b for b in batched if b["context"] == context]
+        lines.append(
+            f"| {context} | " + " | ".join(f"{b['ms_median']:.1f} ({b['throughput_vs_1']:.1f}x)" for b in cells) + " |"
+        )
+    return "\n".join(lines)
 
 
 def _summary(runs: list[dict], contexts: list[int], positions: list[int]) -> str:
