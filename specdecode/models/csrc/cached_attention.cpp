@@ -72,20 +72,58 @@ inline float lane_sum(v8 v) {
   return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
+#if defined(__AVX512F__)
+// With AVX-512 a dot product runs 16 lanes wide where the head size allows (half the multiply-adds of 8
+// lanes), and the two halves of its partial sums are added first: every query still gets one fixed order.
+typedef float v16 __attribute__((vector_size(64)));
+inline v16 load16(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline v16 fma16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+inline v8 halves(v16 v) {
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#endif
+
+// The partial sums (eight lanes) of the dot product of a and b.
+inline v8 partial_dot(const float* a, const float* b, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    v16 acc = {};
+    for (int64_t d = 0; d < D; d += 16) acc = fma16(load16(a + d), load16(b + d), acc);
+    return halves(acc);
+  }
+#endif
   v8 acc = splat(0.f);
   for (int64_t d = 0; d < D; d += 8) acc = fma8(load8(a + d), load8(b + d), acc);
-  return lane_sum(acc);
+  return acc;
 }
+
+inline float dot(const float* a, const float* b, int64_t D) { return lane_sum(partial_dot(a, b, D)); }
 
 // dot(q, k_i) for eight consecutive keys, bit for bit what `dot` gives each, with the eight lane trees done
 // as one transposition (a sequential lane sum per key cost more than the products).
 inline v8 dots8(const float* q, const float* k, int64_t D) {
   v8 acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = splat(0.f);
-  for (int64_t d = 0; d < D; d += 8) {
-    const v8 qd = load8(q + d);
-    for (int i = 0; i < 8; ++i) acc[i] = fma8(qd, load8(k + i * D + d), acc[i]);
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    v16 wide[8] = {};
+    for (int64_t d = 0; d < D; d += 16) {
+      const v16 qd = load16(q + d);
+      for (int i = 0; i < 8; ++i) wide[i] = fma16(qd, load16(k + i * D + d), wide[i]);
+    }
+    for (int i = 0; i < 8; ++i) acc[i] = halves(wide[i]);
+  } else
+#endif
+  {
+    for (int i = 0; i < 8; ++i) acc[i] = splat(0.f);
+    for (int64_t d = 0; d < D; d += 8) {
+      const v8 qd = load8(q + d);
+      for (int i = 0; i < 8; ++i) acc[i] = fma8(qd, load8(k + i * D + d), acc[i]);
+    }
   }
   v8 h[4], e[2];
   for (int p = 0; p < 4; ++p)
@@ -111,6 +149,21 @@ inline void add_weighted(float* acc, const float* v, const float* weights, int64
   }
   for (int i = 0; i < S; ++i) store8(acc + 8 * i, slices[i]);
 }
+
+#if defined(__AVX512F__)
+// add_weighted with 16-lane slices: each output element gets the same products in the same order.
+template <int S>
+inline void add_weighted16(float* acc, const float* v, const float* weights, int64_t visible) {
+  constexpr int64_t D = S * 16;
+  v16 slices[S];
+  for (int i = 0; i < S; ++i) slices[i] = load16(acc + 16 * i);
+  for (int64_t b = 0; b < visible; ++b) {
+    const v16 w = v16{} + weights[b];
+    for (int i = 0; i < S; ++i) slices[i] = fma16(w, load16(v + b * D + 16 * i), slices[i]);
+  }
+  for (int i = 0; i < S; ++i) __builtin_memcpy(acc + 16 * i, &slices[i], sizeof(v16));
+}
+#endif
 
 // One (row, kv head): M queries (M, D) over that slot's keys and values (D floats per entry).
 void attend(const float* q, const float* k, const float* v, const int64_t* limits, float* out, int64_t M, int64_t D,
@@ -144,6 +197,13 @@ void attend(const float* q, const float* k, const float* v, const int64_t* limit
         block_total += w;
       }
       for (int i = 0; i < 8; ++i) total[m] += block_total[i];
+#if defined(__AVX512F__)
+      if (D == 64) {
+        add_weighted16<4>(am, v + j0 * D, weights, visible);
+      } else if (D == 128) {
+        add_weighted16<8>(am, v + j0 * D, weights, visible);
+      } else
+#endif
       if (D == 64) {
         add_weighted<8>(am, v + j0 * D, weights, visible);
       } else if (D == 128) {
