@@ -17,6 +17,7 @@ from specdecode.training.prompts import (
     code_pool,
     load_jsonl_conversations,
     overlap_report,
+    stub_pool,
 )
 
 
@@ -204,3 +205,17 @@ def test_pools_hold_twenty_thousand_disjoint_conversations_with_stable_ids() -> 
     by_id = {c.id: c.turns for c in large}
     assert all(by_id[c.id] == c.turns for c in small)
     check_disjoint(code[5112:] + chat[5569:])
+
+
+def test_stub_prompts_are_opt_in_humaneval_shaped_and_disjoint() -> None:
+    """`stub`: the code pool's functions as bare signatures with docstrings to complete (HumanEval's shape),
+    only when a mix names it, so the default mix and the kept set's regeneration command stay as they were."""
+    pool = stub_pool()
+    assert len(pool) > 600 and all(c.turns[0].startswith("def ") and '"""' in c.turns[0] for c in pool)
+    assert [c.id for c in pool] == [f"stub-{i}" for i in range(len(pool))]
+    check_disjoint(pool)
+    assert "stub" not in {c.source for c in build_prompt_mix(200)}
+    mixed = build_prompt_mix(40, mix={"math": 1, "stub": 1})
+    assert Counter(c.source for c in mixed) == {"math": 20, "stub": 20}
+    by_id = {c.id: c for c in pool}
+    assert all(c.turns == by_id[c.id].turns for c in mixed if c.source == "stub")

