@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--out", required=True, help="output folder (JSONL shards); rerun to resume")
     dr.add_argument("--num-prompts", type=int, default=1200)
     dr.add_argument(
-        "--mix", default="math=0.4,code=0.4,chat=0.2", help="source weights among math, code, chat and stub (opt-in)"
+        "--mix",
+        default="math=0.4,code=0.4,chat=0.2",
+        help="source weights among math, code, chat, stub and contest (the last two opt-in)",
     )
     dr.add_argument("--jsonl", default=None, help="your own prompts: ShareGPT or OpenAI-messages JSONL")
     dr.add_argument("--temperature", type=float, default=0.7)

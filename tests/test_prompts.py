@@ -1,6 +1,7 @@
 """Evaluation loaders, training prompt sources and the n-gram disjointness check between them."""
 
 import importlib.util
+import itertools
 import json
 from collections import Counter
 
@@ -15,6 +16,7 @@ from specdecode.training.prompts import (
     chat_pool,
     check_disjoint,
     code_pool,
+    contest_prompts,
     load_jsonl_conversations,
     overlap_report,
     stub_pool,
@@ -219,3 +221,16 @@ def test_stub_prompts_are_opt_in_humaneval_shaped_and_disjoint() -> None:
     assert Counter(c.source for c in mixed) == {"math": 20, "stub": 20}
     by_id = {c.id: c for c in pool}
     assert all(c.turns == by_id[c.id].turns for c in mixed if c.source == "stub")
+
+
+def test_contest_prompts_are_opt_in_seeded_and_disjoint() -> None:
+    """`contest`: short competition-style problems (MATH's LaTeX register), an endless seeded stream whose
+    `contest-i` is the same problem for the same seed, only in a mix that names it."""
+    first = list(itertools.islice(contest_prompts(0), 300))
+    assert first == list(itertools.islice(contest_prompts(0), 300)) != list(itertools.islice(contest_prompts(1), 300))
+    assert len({c.turns[0] for c in first}) == 300 and any("$" in c.turns[0] for c in first)
+    check_disjoint(first)
+    assert "contest" not in {c.source for c in build_prompt_mix(200)}
+    mixed = build_prompt_mix(30, mix={"contest": 2, "chat": 1})
+    assert Counter(c.source for c in mixed) == {"contest": 20, "chat": 10}
+    assert {c.id for c in mixed if c.source == "contest"} == {c.id for c in first[:20]}

