@@ -136,34 +136,33 @@ inline v8 dots8(const float* q, const float* k, int64_t D) {
          __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
-// acc (S * 8 floats) += sum over b of weights[b] * v[b]: the accumulator stays in registers over the block's
-// keys (the same products added in the same order as one slice at a time in memory).
-template <int S>
-inline void add_weighted(float* acc, const float* v, const float* weights, int64_t visible) {
-  constexpr int64_t D = S * 8;
-  v8 slices[S];
-  for (int i = 0; i < S; ++i) slices[i] = load8(acc + 8 * i);
-  for (int64_t b = 0; b < visible; ++b) {
-    const v8 w = splat(weights[b]);
-    for (int i = 0; i < S; ++i) slices[i] = fma8(w, load8(v + b * D + 8 * i), slices[i]);
-  }
-  for (int i = 0; i < S; ++i) store8(acc + 8 * i, slices[i]);
-}
-
+// The widest slice of a value row the CPU multiplies in one instruction: 16 floats with AVX-512, else 8.
 #if defined(__AVX512F__)
-// add_weighted with 16-lane slices: each output element gets the same products in the same order.
-template <int S>
-inline void add_weighted16(float* acc, const float* v, const float* weights, int64_t visible) {
-  constexpr int64_t D = S * 16;
-  v16 slices[S];
-  for (int i = 0; i < S; ++i) slices[i] = load16(acc + 16 * i);
-  for (int64_t b = 0; b < visible; ++b) {
-    const v16 w = v16{} + weights[b];
-    for (int i = 0; i < S; ++i) slices[i] = fma16(w, load16(v + b * D + 16 * i), slices[i]);
-  }
-  for (int i = 0; i < S; ++i) __builtin_memcpy(acc + 16 * i, &slices[i], sizeof(v16));
-}
+typedef v16 Slice;
+inline v16 fma_slice(v16 a, v16 b, v16 c) { return fma16(a, b, c); }
+#else
+typedef v8 Slice;
+inline v8 fma_slice(v8 a, v8 b, v8 c) { return fma8(a, b, c); }
 #endif
+constexpr int64_t kSliceLanes = sizeof(Slice) / sizeof(float);
+
+// acc (D floats) += sum over b of weights[b] * v[b]: the accumulator stays in registers over the block's keys
+// (the same products added in the same order as one slice at a time in memory, whatever the slice width).
+template <int64_t D>
+inline void add_weighted(float* acc, const float* v, const float* weights, int64_t visible) {
+  constexpr int64_t S = D / kSliceLanes;
+  Slice slices[S];
+  for (int64_t i = 0; i < S; ++i) __builtin_memcpy(&slices[i], acc + kSliceLanes * i, sizeof(Slice));
+  for (int64_t b = 0; b < visible; ++b) {
+    const Slice w = Slice{} + weights[b];  // weights are exp() values >= 0: adding to zero copies them
+    for (int64_t i = 0; i < S; ++i) {
+      Slice vb;
+      __builtin_memcpy(&vb, v + b * D + kSliceLanes * i, sizeof(Slice));
+      slices[i] = fma_slice(w, vb, slices[i]);
+    }
+  }
+  for (int64_t i = 0; i < S; ++i) __builtin_memcpy(acc + kSliceLanes * i, &slices[i], sizeof(Slice));
+}
 
 // One (row, kv head): M queries (M, D) over that slot's keys and values (D floats per entry).
 void attend(const float* q, const float* k, const float* v, const int64_t* limits, float* out, int64_t M, int64_t D,
@@ -197,17 +196,10 @@ void attend(const float* q, const float* k, const float* v, const int64_t* limit
         block_total += w;
       }
       for (int i = 0; i < 8; ++i) total[m] += block_total[i];
-#if defined(__AVX512F__)
       if (D == 64) {
-        add_weighted16<4>(am, v + j0 * D, weights, visible);
+        add_weighted<64>(am, v + j0 * D, weights, visible);
       } else if (D == 128) {
-        add_weighted16<8>(am, v + j0 * D, weights, visible);
-      } else
-#endif
-      if (D == 64) {
-        add_weighted<8>(am, v + j0 * D, weights, visible);
-      } else if (D == 128) {
-        add_weighted<16>(am, v + j0 * D, weights, visible);
+        add_weighted<128>(am, v + j0 * D, weights, visible);
       } else {
         for (int64_t b = 0; b < visible; ++b) {
           const v8 w = splat(weights[b]);
