@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specdecode.engine.batch import BatchedTarget
 from specdecode.engine.decode import tree_attention
@@ -171,6 +172,85 @@ def test_the_cpp_layer_loop_computes_what_the_python_loop_computes(smollm2):
         )
     smollm2.set_capture_layers([])
     smollm2.reset()
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")
+def test_a_tree_pass_computes_what_chain_steps_compute(smollm2):
+    """Bit for bit, on every root-to-leaf path, in the C++ layer loop and the Python one: a tree node sees the
+    prefix and its ancestors in the same blocks and order as a chain's query at its depth, so greedy tree
+    decoding is token-identical to normal decoding by construction, not by the luck of no near-ties."""
+    smollm2.set_capture_layers([4])
+    ids = torch.tensor(smollm2.encode("List three prime numbers and explain why they are prime."))
+    parents = torch.tensor([-1, -1, 0, 2, 1, -1])  # drafts' parents (-1: the root): three branches, one of depth four
+    tokens = torch.tensor([int(ids[-1]), 791, 1345, 28, 2051, 418, 28])
+    paths = [[0, 1, 3, 4], [0, 2, 5], [0, 6]]
+    start = len(ids) - 1
+    runner = smollm2.runner
+    weights = runner.layer_weights
+    for loop_weights in (weights, None):  # the C++ layer loop, then the Python one
+        runner.layer_weights = loop_weights
+        smollm2.reset()
+        smollm2.forward(ids[:-1], logits=False)
+        mask, positions = tree_attention(parents, start)
+        assert Rows.tree(0, start, positions, mask).paths is not None
+        tree = smollm2.forward(tokens, position_ids=positions, attention_mask=mask)
+        for path in paths:
+            smollm2.rollback(start)
+            chain = smollm2.forward(tokens[path])
+            assert torch.equal(tree.logits[path], chain.logits), path
+            assert torch.equal(tree.layer_hidden[path], chain.layer_hidden), path
+    runner.layer_weights = weights
+    smollm2.set_capture_layers([])
+    smollm2.reset()
+
+
+def test_only_tree_masks_take_the_cached_kernel():
+    """A mask that hides part of the prefix, or shows a node more than its ancestors, keeps SDPA."""
+    mask, positions = tree_attention(torch.tensor([-1, 0, 0]), 5)  # root at entry 5, a child with two children
+    rows = Rows.tree(0, 5, positions, mask)
+    assert rows.limits.tolist() == [[6, 7, 8, 8]]
+    assert rows.paths[0].tolist() == [[5, 8, 8], [5, 6, 8], [5, 6, 7], [5, 6, 8]]  # padded past the path
+    hidden = mask.clone()
+    hidden[..., 2] = False
+    assert Rows.tree(0, 5, positions, hidden).paths is None
+    extra = mask.clone()
+    extra[..., 1, 7] = True
+    assert Rows.tree(0, 5, positions, extra).paths is None
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 24])
+def test_cached_attention_over_a_bfloat16_cache(head_dim):
+    """A bfloat16 cache attends like SDPA over its widened entries (the kernel reads them in another order
+    than a float32 cache, so it is close to, not equal to, the float32 kernel over the same values), and each
+    query's result is bit for bit the same alone as among other rows and queries (verify = steps)."""
+    torch.manual_seed(0)
+    slots, kv_heads, capacity, group = 4, 3, 150, 3
+    keys = torch.randn(slots, kv_heads, capacity, head_dim).bfloat16()
+    values = torch.randn(slots, kv_heads, capacity, head_dim).bfloat16()
+    q = torch.randn(2, kv_heads, group * 5, head_dim)
+    rows = torch.tensor([3, 1])
+    limits = torch.tensor([[140, 141, 142, 143, 144] * group, [7, 8, 9, 10, 11] * group])
+    scale = head_dim**-0.5
+    attend = torch.ops.specdecode.cached_attention
+    out = attend(q, keys, values, rows, limits, scale)
+    torch.testing.assert_close(out, attend(q, keys.float(), values.float(), rows, limits, scale), atol=1e-5, rtol=1e-5)
+    for r, slot in enumerate(rows.tolist()):
+        visible = torch.arange(capacity)[None] < limits[r][:, None]  # (queries, entries)
+        expected = F.scaled_dot_product_attention(
+            q[r], keys[slot].float(), values[slot].float(), attn_mask=visible, scale=scale
+        )
+        torch.testing.assert_close(out[r], expected, atol=1e-5, rtol=1e-5)
+        for m in (0, 7):
+            one = slice(m, m + 1)
+            alone = attend(q[r : r + 1, :, one], keys, values, rows[r : r + 1], limits[r : r + 1, one], scale)
+            assert torch.equal(alone[0, :, 0], out[r, :, m])
+
+
+def test_the_cache_holds_the_weights_dtype(smollm2, smollm2_fp32):
+    """bfloat16 weights, bfloat16 cache (half the bytes a long or batched step reads); float32 stays float32."""
+    assert smollm2.kv.keys.dtype == smollm2.runner.cache_dtype == next(smollm2.model.parameters()).dtype
+    assert smollm2_fp32.kv.keys.dtype == torch.float32
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")

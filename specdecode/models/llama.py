@@ -63,8 +63,10 @@ class KVCache:
             setattr(self, name, new)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: "Rows") -> None:
-        """Store a pass's new keys and values (R, kv_heads, Q, head_dim) where `rows` says."""
+        """Store a pass's new keys and values (R, kv_heads, Q, head_dim) where `rows` says, rounded to the
+        cache's dtype."""
         layer_keys, layer_values = self.keys[layer], self.values[layer]
+        keys, values = keys.to(layer_keys.dtype), values.to(layer_values.dtype)
         if len(rows.slots) == 1:
             slot, start = rows.slots[0], rows.starts[0]
             layer_keys[slot, :, start : start + keys.shape[2]] = keys[0]
@@ -99,7 +101,9 @@ class Rows:
     Row r's query i is written at cache entry `starts[r] + i` (if i < counts[r]; the rest is padding),
     rotated as position `positions[r, i]` (a tree node: its root's position plus its depth), and attends to
     entries 0 .. kv_length - 1 of its slot where `mask` allows (None: all of them). Chains and batches of
-    chains also say it as `limits`: query i of row r sees entries 0 .. limits[r, i] - 1 (None for a tree).
+    chains also say it as `limits`: query i of row r sees entries 0 .. limits[r, i] - 1. A tree says it as
+    `limits` and `paths`: query i sees the row's first starts[r] entries, then its ancestors and itself,
+    entries paths[r, i, 0 .. limits[r, i] - starts[r] - 1], root first (a mask that is no tree: None).
     """
 
     slots: list[int]
@@ -109,6 +113,7 @@ class Rows:
     mask: torch.Tensor | None  # (R, 1, Q, kv_length) bool, True = may attend
     kv_length: int
     limits: torch.Tensor | None = None  # (R, Q) long: the causal mask as entry counts
+    paths: torch.Tensor | None = None  # (R, Q, depth + 1) long: a tree's ancestor entries per query
 
     def __post_init__(self) -> None:
         R, Q = self.positions.shape
@@ -124,12 +129,18 @@ class Rows:
         """`limits` for `group` query heads per kv head, query (g, i) seeing what position i sees; built once
         per pass, not once per layer."""
         if getattr(self, "_grouped", None) is None or self._grouped[0] != group:
-            self._grouped = (group, self.limits.repeat(1, group))
+            paths = None if self.paths is None else self.paths.repeat(1, group, 1)
+            self._grouped = (group, self.limits.repeat(1, group), paths)
         return self._grouped[1]
+
+    def grouped_paths(self, group: int) -> torch.Tensor | None:
+        """`paths` for `group` query heads per kv head, as `grouped_limits`."""
+        self.grouped_limits(group)
+        return self._grouped[2]
 
     def to(self, device: torch.device) -> "Rows":
         """The same rows with their index tensors on `device` (a no-op on the CPU)."""
-        for name in ("positions", "mask", "limits", "slot_index", "real", "write_slot", "write_entry"):
+        for name in ("positions", "mask", "limits", "paths", "slot_index", "real", "write_slot", "write_entry"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
@@ -146,7 +157,9 @@ class Rows:
     def tree(cls, slot: int, start: int, positions: torch.Tensor, mask: torch.Tensor) -> "Rows":
         """One request's tree pass: nodes written at start, start + 1, ..., with their depths' positions."""
         count = positions.shape[-1]
-        return cls([slot], [start], [count], positions.view(1, count), mask.view(1, 1, count, -1), start + count)
+        mask = mask.view(1, 1, count, -1)
+        limits, paths = _tree_paths(start, positions.view(count), mask[0, 0])
+        return cls([slot], [start], [count], positions.view(1, count), mask, start + count, limits, paths)
 
     @classmethod
     def batch(cls, slots: list[int], starts: list[int], counts: list[int]) -> "Rows":
@@ -156,6 +169,20 @@ class Rows:
         kv_length = max(s + c for s, c in zip(starts, counts, strict=True))
         mask = torch.arange(kv_length)[None, None] <= positions[:, :, None]
         return cls(list(slots), list(starts), list(counts), positions, mask[:, None], kv_length, positions + 1)
+
+
+def _tree_paths(start: int, positions: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """A tree mask (Q, start + Q) as limits (1, Q) and paths (1, Q, depth + 1): each node sees the whole prefix
+    and depth + 1 nodes, its ancestors and itself, written in depth order (parents precede children). Any
+    other mask: (None, None), and the pass attends through SDPA."""
+    depth = positions - start
+    if not bool(mask[:, :start].all()) or not torch.equal(mask[:, start:].sum(1), depth + 1):
+        return None, None
+    width = int(depth.max()) + 1
+    order = torch.arange(start, mask.shape[1]).expand_as(mask[:, start:])
+    seen = torch.where(mask[:, start:], order, mask.shape[1])  # a node's visible entries, then past-the-end
+    paths = seen.sort(dim=1).values[:, :width].clamp(max=mask.shape[1] - 1)
+    return (positions + 1)[None], paths[None]
 
 
 @dataclass
@@ -220,7 +247,11 @@ class LlamaRunner:
         # the C++ norm, rotation and few-rows linear (csrc/runner_kernels.cpp) compute in float32 from float32
         # or bfloat16 weights; elsewhere the stock ops compute in the weights' dtype
         self.fused = device.type == "cpu" and weights in (torch.float32, torch.bfloat16) and cpu_kernels_available()
-        self.dtype = torch.float32 if self.fused else weights  # of activations and the KV cache
+        self.dtype = torch.float32 if self.fused else weights  # of activations
+        # the KV cache holds what the weights hold: bfloat16 entries halve what a long or batched step reads
+        # (64 requests of 512 tokens: 1.1 GB a step in float32, against 270 MB of weights); every reader (the
+        # C++ attention, SDPA for trees) widens the same rounded entries, so verify = steps still holds
+        self.cache_dtype = weights
 
         def vector(weight: torch.Tensor | None) -> torch.Tensor | None:  # a norm's weight, in the compute dtype
             return None if weight is None else weight.detach().to(self.dtype)
@@ -262,7 +293,7 @@ class LlamaRunner:
 
     def new_cache(self, slots: int, capacity: int) -> KVCache:
         shape = (len(self.layers), slots, self.kv_heads, self.head_dim, capacity)
-        return KVCache(*shape, self.dtype, self.embedding.device)
+        return KVCache(*shape, self.cache_dtype, self.embedding.device)
 
     def _rope_table(self, length: int) -> None:
         """cos and sin of positions 0 .. length - 1 (regrown on demand: a probe may pass the trained context)."""
@@ -293,7 +324,7 @@ class LlamaRunner:
 
     def _attend(self, layer: int, q, k, v, cache: KVCache | None, rows: Rows | None, attention: dict) -> torch.Tensor:
         """Store k, v in the cache and attend (R, heads, Q, D): in place over each row's slot with the C++
-        kernel where the mask is causal, else SDPA over the rows' entries."""
+        kernel where the mask is causal or a tree's, else SDPA over the rows' entries."""
         if rows is None:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=self.kv_heads != self.heads, **attention)
         cache.write(layer, k, v, rows)
@@ -302,10 +333,11 @@ class LlamaRunner:
             group = H // self.kv_heads  # query heads sharing one kv head read its entries once
             grouped = q.reshape(R, self.kv_heads, group * Q, D)
             out = torch.ops.specdecode.cached_attention(
-                grouped, cache.keys[layer], cache.values[layer], rows.slot_index, rows.grouped_limits(group), D**-0.5
-            )
+                grouped, cache.keys[layer], cache.values[layer], rows.slot_index, rows.grouped_limits(group),
+                D**-0.5, rows.grouped_paths(group), None if rows.paths is None else torch.tensor(rows.starts),
+            )  # fmt: skip
             return out.view(R, H, Q, D)
-        k, v = cache.read(layer, rows)
+        k, v = (entries.to(q.dtype) for entries in cache.read(layer, rows))
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=self.kv_heads != self.heads, **attention)
 
     @torch.inference_mode()
@@ -337,8 +369,8 @@ class LlamaRunner:
             layer_ids = sorted({i for i in capture if i >= 0})
             delta, *outputs = torch.ops.specdecode.decoder_layers(
                 x.view(R * Q, -1), self.layer_weights, cache.keys, cache.values, cos.view(R * Q, D),
-                sin.view(R * Q, D), rows.slot_index, rows.starts, rows.counts, rows.grouped_limits(H // KV), H, KV,
-                self.eps, layer_ids,
+                sin.view(R * Q, D), rows.slot_index, rows.starts, rows.counts, rows.grouped_limits(H // KV),
+                rows.grouped_paths(H // KV), H, KV, self.eps, layer_ids,
             )  # fmt: skip
             captured.update((i, out.view(R, Q, -1)) for i, out in zip(layer_ids, outputs, strict=True))
             delta = delta.view(R, Q, -1)
@@ -349,8 +381,8 @@ class LlamaRunner:
         return Output(self.lm_head(last) if logits else None, layer_hidden, last)
 
     def _layers_in_cpp(self, cache: KVCache | None, rows: Rows | None, tokens: int) -> bool:
-        """Whether the C++ layer loop runs this pass: a causal pass through a CPU cache whose linears take the
-        few-rows kernel (its exact plan, up to 16 rows) in a model of the types it covers."""
+        """Whether the C++ layer loop runs this pass: a causal or tree pass (`limits`) through a CPU cache whose
+        linears take the few-rows kernel (its exact plan) in a model of the types it covers."""
         return (
             self.layer_weights is not None
             and rows is not None

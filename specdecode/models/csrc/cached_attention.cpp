@@ -5,16 +5,19 @@
 // layer for 64 rows of 1024 entries on a 2-core EPYC) and then ran at ~2.5 GB/s. Here each (row, kv head)
 // reads its slot in place, once, for all the queries that share that kv head (grouped-query attention
 // without expanding the keys), so the step streams the cache at memory speed.
-// Row r's query m sees cache entries 0 .. limits[r][m] - 1: a causal chain or a batch of chains. Trees,
-// whose masks are arbitrary, stay on SDPA.
+// Row r's query m sees cache entries 0 .. limits[r][m] - 1: a causal chain or a batch of chains; or, in a
+// tree, the cached prefix and then the entries of its ancestors and itself (`paths`). Other masks stay on SDPA.
 // Every query is computed on its own, in the same order whatever the other queries and rows are, so a
 // row's result never depends on its batch: a verify pass over k + 1 positions attends bit for bit like
 // k + 1 one-token steps.
+// The cache holds float32 or bfloat16 entries (half the bytes a step streams); a bfloat16 entry is widened
+// exactly (a 16-bit shift) as it is loaded, and every product and sum runs in float32 as before.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -31,6 +34,18 @@ inline v8 load8(const float* p) {
 }
 
 inline void store8(float* p, v8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+// Eight bfloat16 entries (their bits) widened to float32: the bits are the top half of the float's.
+typedef uint16_t h8 __attribute__((vector_size(16)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+inline v8 load8(const uint16_t* p) {
+  h8 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const u8 bits = __builtin_convertvector(h, u8) << 16;
+  v8 v;
+  __builtin_memcpy(&v, &bits, sizeof(v));
+  return v;
+}
 
 #if defined(__FMA__)
 #include <immintrin.h>
@@ -73,49 +88,83 @@ inline float lane_sum(v8 v) {
 }
 
 #if defined(__AVX512F__)
-// With AVX-512 a dot product runs 16 lanes wide where the head size allows (half the multiply-adds of 8
-// lanes), and the two halves of its partial sums are added first: every query still gets one fixed order.
+// With AVX-512 a head is read 32 dimensions at a time as two 16-lane vectors (half the multiply-adds of 8
+// lanes), and the two halves of a dot product's partial sums are added first: every query still gets one
+// fixed order.
 typedef float v16 __attribute__((vector_size(64)));
 inline v16 load16(const float* p) {
   v16 v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
+inline void store16(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
 inline v16 fma16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 inline v8 halves(v16 v) {
   return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 }
+// 32 dimensions of an entry. float: dimensions 0-15, then 16-31. bfloat16: the even dimensions, then the odd
+// ones: one load, a shift and a mask (each 32-bit lane holds an even and an odd entry; its high half read as a
+// float is the odd one exactly), where widening in order costs a shuffle per 16. Queries and value sums that
+// meet bfloat16 entries are kept in that order (`kSplit`) and put back at the end.
+inline void load32(const float* p, v16& lo, v16& hi) {
+  lo = load16(p);
+  hi = load16(p + 16);
+}
+inline void load32(const uint16_t* p, v16& lo, v16& hi) {
+  const __m512i bits = _mm512_loadu_si512(p);
+  lo = (v16)_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+  hi = (v16)_mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+constexpr bool kWide = true;
+#else
+constexpr bool kWide = false;
 #endif
 
-// The partial sums (eight lanes) of the dot product of a and b.
-inline v8 partial_dot(const float* a, const float* b, int64_t D) {
+// Whether a head of D dimensions is read 32 at a time (else 8 at a time, in order, widening bfloat16 entries
+// one by one), and so whether bfloat16 entries meet queries and sums in the split order.
+inline bool wide(int64_t D) { return kWide && D % 32 == 0; }
+
+// The partial sums (eight lanes) of the dot product of a query and an entry (float or bfloat16 bits).
+template <typename Entry>
+inline v8 partial_dot(const float* q, const Entry* k, int64_t D) {
 #if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    v16 acc = {};
-    for (int64_t d = 0; d < D; d += 16) acc = fma16(load16(a + d), load16(b + d), acc);
+  if (wide(D)) {
+    v16 acc = {}, lo, hi;
+    for (int64_t d = 0; d < D; d += 32) {
+      load32(k + d, lo, hi);
+      acc = fma16(load16(q + d), lo, acc);
+      acc = fma16(load16(q + d + 16), hi, acc);
+    }
     return halves(acc);
   }
 #endif
   v8 acc = splat(0.f);
-  for (int64_t d = 0; d < D; d += 8) acc = fma8(load8(a + d), load8(b + d), acc);
+  for (int64_t d = 0; d < D; d += 8) acc = fma8(load8(q + d), load8(k + d), acc);
   return acc;
 }
 
-inline float dot(const float* a, const float* b, int64_t D) { return lane_sum(partial_dot(a, b, D)); }
+template <typename Entry>
+inline float dot(const float* q, const Entry* k, int64_t D) {
+  return lane_sum(partial_dot(q, k, D));
+}
 
 // dot(q, k_i) for eight consecutive keys, bit for bit what `dot` gives each, with the eight lane trees done
 // as one transposition (a sequential lane sum per key cost more than the products).
-inline v8 dots8(const float* q, const float* k, int64_t D) {
+template <typename Entry>
+inline v8 dots8(const float* q, const Entry* k, int64_t D) {
   v8 acc[8];
 #if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    v16 wide[8] = {};
-    for (int64_t d = 0; d < D; d += 16) {
-      const v16 qd = load16(q + d);
-      for (int i = 0; i < 8; ++i) wide[i] = fma16(qd, load16(k + i * D + d), wide[i]);
+  if (wide(D)) {
+    v16 sums[8] = {}, lo, hi;
+    for (int64_t d = 0; d < D; d += 32) {
+      const v16 q_lo = load16(q + d), q_hi = load16(q + d + 16);
+      for (int i = 0; i < 8; ++i) {
+        load32(k + i * D + d, lo, hi);
+        sums[i] = fma16(q_hi, hi, fma16(q_lo, lo, sums[i]));
+      }
     }
-    for (int i = 0; i < 8; ++i) acc[i] = halves(wide[i]);
+    for (int i = 0; i < 8; ++i) acc[i] = halves(sums[i]);
   } else
 #endif
   {
@@ -136,111 +185,144 @@ inline v8 dots8(const float* q, const float* k, int64_t D) {
          __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
-// The widest slice of a value row the CPU multiplies in one instruction: 16 floats with AVX-512, else 8.
+// acc (D floats) += sum over b of weights[b] * v[b]: for head sizes 64 and 128 the accumulator stays in
+// registers over the block's keys. Each dimension sums the same products in the same order whatever the
+// path (the values' order only decides where a dimension sits).
+template <int64_t D, typename Entry>
+inline void add_weighted_fixed(float* acc, const Entry* v, const float* weights, int64_t visible) {
 #if defined(__AVX512F__)
-typedef v16 Slice;
-inline v16 fma_slice(v16 a, v16 b, v16 c) { return fma16(a, b, c); }
-#else
-typedef v8 Slice;
-inline v8 fma_slice(v8 a, v8 b, v8 c) { return fma8(a, b, c); }
-#endif
-constexpr int64_t kSliceLanes = sizeof(Slice) / sizeof(float);
-
-// acc (D floats) += sum over b of weights[b] * v[b]: the accumulator stays in registers over the block's keys
-// (the same products added in the same order as one slice at a time in memory, whatever the slice width).
-template <int64_t D>
-inline void add_weighted(float* acc, const float* v, const float* weights, int64_t visible) {
-  constexpr int64_t S = D / kSliceLanes;
-  Slice slices[S];
-  for (int64_t i = 0; i < S; ++i) __builtin_memcpy(&slices[i], acc + kSliceLanes * i, sizeof(Slice));
+  constexpr int64_t S = D / 16;
+  v16 slices[S];
+  for (int64_t i = 0; i < S; ++i) slices[i] = load16(acc + 16 * i);
   for (int64_t b = 0; b < visible; ++b) {
-    const Slice w = Slice{} + weights[b];  // weights are exp() values >= 0: adding to zero copies them
-    for (int64_t i = 0; i < S; ++i) {
-      Slice vb;
-      __builtin_memcpy(&vb, v + b * D + kSliceLanes * i, sizeof(Slice));
-      slices[i] = fma_slice(w, vb, slices[i]);
+    const v16 w = v16{} + weights[b];  // weights are exp() values >= 0: adding to zero copies them
+    for (int64_t i = 0; i < S; i += 2) {
+      v16 lo, hi;
+      load32(v + b * D + 16 * i, lo, hi);
+      slices[i] = fma16(w, lo, slices[i]);
+      slices[i + 1] = fma16(w, hi, slices[i + 1]);
     }
   }
-  for (int64_t i = 0; i < S; ++i) __builtin_memcpy(acc + kSliceLanes * i, &slices[i], sizeof(Slice));
+  for (int64_t i = 0; i < S; ++i) store16(acc + 16 * i, slices[i]);
+#else
+  constexpr int64_t S = D / 8;
+  v8 slices[S];
+  for (int64_t i = 0; i < S; ++i) slices[i] = load8(acc + 8 * i);
+  for (int64_t b = 0; b < visible; ++b) {
+    const v8 w = splat(weights[b]);
+    for (int64_t i = 0; i < S; ++i) slices[i] = fma8(w, load8(v + b * D + 8 * i), slices[i]);
+  }
+  for (int64_t i = 0; i < S; ++i) store8(acc + 8 * i, slices[i]);
+#endif
 }
 
-// One (row, kv head): M queries (M, D) over that slot's keys and values (D floats per entry).
-void attend(const float* q, const float* k, const float* v, const int64_t* limits, float* out, int64_t M, int64_t D,
-            float scale) {
+template <typename Entry>
+inline void add_weighted(float* acc, const Entry* v, const float* weights, int64_t visible, int64_t D) {
+  if (D == 64) return add_weighted_fixed<64>(acc, v, weights, visible);
+  if (D == 128) return add_weighted_fixed<128>(acc, v, weights, visible);
+  for (int64_t b = 0; b < visible; ++b) {
+    const v8 w = splat(weights[b]);
+#if defined(__AVX512F__)
+    if (wide(D)) {
+      const v16 w16 = v16{} + weights[b];
+      for (int64_t d = 0; d < D; d += 32) {
+        v16 lo, hi;
+        load32(v + b * D + d, lo, hi);
+        store16(acc + d, fma16(w16, lo, load16(acc + d)));
+        store16(acc + d + 16, fma16(w16, hi, load16(acc + d + 16)));
+      }
+      continue;
+    }
+#endif
+    for (int64_t d = 0; d < D; d += 8) store8(acc + d, fma8(w, load8(v + b * D + d), load8(acc + d)));
+  }
+}
+
+// One query's share of one block of `visible` keys k and values v (D entries each): scores, the running
+// maximum and total, and the weighted sum of values into am.
+template <typename Entry>
+inline void attend_block(const float* qm, const Entry* k, const Entry* v, int64_t visible, int64_t D, float scale,
+                         float& best, float& total, float* am, float* weights) {
+  float block_max = -INFINITY;
+  int64_t b = 0;
+  for (; b + 8 <= visible; b += 8) store8(weights + b, dots8(qm, k + b * D, D) * splat(scale));
+  for (; b < visible; ++b) weights[b] = dot(qm, k + b * D, D) * scale;
+  for (b = 0; b < visible; ++b) block_max = std::max(block_max, weights[b]);
+  if (block_max > best) {  // a new maximum: rescale what was summed so far
+    const float shrink = exp1(best - block_max);
+    total *= shrink;
+    for (int64_t d = 0; d < D; d += 8) store8(am + d, load8(am + d) * splat(shrink));
+    best = block_max;
+  }
+  for (b = visible; b < (visible + 7) / 8 * 8; ++b) weights[b] = -INFINITY;  // exp gives 0 there
+  v8 block_total = splat(0.f);
+  for (b = 0; b < visible; b += 8) {
+    const v8 w = exp8(load8(weights + b) - splat(best));
+    store8(weights + b, w);
+    block_total += w;
+  }
+  for (int i = 0; i < 8; ++i) total += block_total[i];
+  add_weighted(am, v, weights, visible, D);
+}
+
+// Dimension d of a head in the order bfloat16 entries are read (`load32`): within each 32, the even ones
+// first, then the odd ones.
+inline int64_t split_index(int64_t d) { return d / 32 * 32 + (d % 2) * 16 + d % 32 / 2; }
+
+// Where query m's entries lie when they are not 0, 1, 2, ... of the slot: a tree pass, whose query at depth d
+// sees the cached prefix (entries 0 .. start - 1) and then its ancestors and itself, written anywhere after it.
+struct Paths {
+  const int64_t* entries = nullptr;  // (M, width): the entries of the query's logical positions start, start + 1, ...
+  int64_t width = 0;
+  int64_t start = 0;
+};
+
+// One (row, kv head): M queries (M, D) over that slot's keys and values (D entries each, float or bfloat16).
+// Query m sees logical entries 0 .. limits[m] - 1 in blocks of kBlock; with `paths` a block that reaches past
+// the prefix is gathered first, so a tree's query sums exactly what a chain's query at that depth sums, in
+// the same blocks and order (a tree verify pass equals one-token steps bit for bit).
+template <typename Entry>
+void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limits, float* out, int64_t M, int64_t D,
+            float scale, Paths paths) {
   int64_t longest = 0;
   for (int64_t m = 0; m < M; ++m) longest = std::max(longest, limits[m]);
   std::vector<float> best(M, -INFINITY), total(M, 0.f), acc(M * D, 0.f);
+  const bool split = std::is_same<Entry, uint16_t>::value && wide(D);
+  std::vector<float> split_q(split ? M * D : 0);
+  if (split) {
+    for (int64_t i = 0; i < M * D; ++i) split_q[i / D * D + split_index(i % D)] = q[i];
+    q = split_q.data();
+  }
+  std::vector<Entry> gathered(paths.entries ? 2 * kBlock * D : 0);
   alignas(32) float weights[kBlock];
-  for (int64_t j0 = 0; j0 < longest; j0 += kBlock) {
+  for (int64_t j0 = 0; j0 < longest; j0 += kBlock)
     for (int64_t m = 0; m < M; ++m) {
       const int64_t visible = std::min(limits[m] - j0, kBlock);
       if (visible <= 0) continue;
-      const float* qm = q + m * D;
-      float block_max = -INFINITY;
-      int64_t b = 0;
-      for (; b + 8 <= visible; b += 8) store8(weights + b, dots8(qm, k + (j0 + b) * D, D) * splat(scale));
-      for (; b < visible; ++b) weights[b] = dot(qm, k + (j0 + b) * D, D) * scale;
-      for (b = 0; b < visible; ++b) block_max = std::max(block_max, weights[b]);
-      float* am = acc.data() + m * D;
-      if (block_max > best[m]) {  // a new maximum: rescale what was summed so far
-        const float shrink = exp1(best[m] - block_max);
-        total[m] *= shrink;
-        for (int64_t d = 0; d < D; d += 8) store8(am + d, load8(am + d) * splat(shrink));
-        best[m] = block_max;
-      }
-      for (int64_t b = visible; b < (visible + 7) / 8 * 8; ++b) weights[b] = -INFINITY;  // exp gives 0 there
-      v8 block_total = splat(0.f);
-      for (int64_t b = 0; b < visible; b += 8) {
-        const v8 w = exp8(load8(weights + b) - splat(best[m]));
-        store8(weights + b, w);
-        block_total += w;
-      }
-      for (int i = 0; i < 8; ++i) total[m] += block_total[i];
-      if (D == 64) {
-        add_weighted<64>(am, v + j0 * D, weights, visible);
-      } else if (D == 128) {
-        add_weighted<128>(am, v + j0 * D, weights, visible);
-      } else {
+      const Entry *kb = k + j0 * D, *vb = v + j0 * D;
+      if (paths.entries && j0 + visible > paths.start) {
         for (int64_t b = 0; b < visible; ++b) {
-          const v8 w = splat(weights[b]);
-          const float* vb = v + (j0 + b) * D;
-          for (int64_t d = 0; d < D; d += 8) store8(am + d, fma8(w, load8(vb + d), load8(am + d)));
+          const int64_t j = j0 + b;
+          const int64_t entry = j < paths.start ? j : paths.entries[m * paths.width + j - paths.start];
+          std::copy(k + entry * D, k + (entry + 1) * D, gathered.data() + b * D);
+          std::copy(v + entry * D, v + (entry + 1) * D, gathered.data() + (kBlock + b) * D);
         }
+        kb = gathered.data();
+        vb = gathered.data() + kBlock * D;
       }
+      attend_block(q + m * D, kb, vb, visible, D, scale, best[m], total[m], acc.data() + m * D, weights);
     }
-  }
   for (int64_t m = 0; m < M; ++m) {
     const float inv = total[m] > 0.f ? 1.f / total[m] : 0.f;
-    for (int64_t d = 0; d < D; ++d) out[m * D + d] = acc[m * D + d] * inv;
+    for (int64_t d = 0; d < D; ++d) out[m * D + d] = acc[m * D + (split ? split_index(d) : d)] * inv;
   }
 }
 
-}  // namespace
-
-// q (R, KV, M, D) float32: the M queries of row r that share kv head h (grouped heads times positions);
-// keys, values (S, KV, C, D) float32, a layer's cache, entries contiguous per (slot, head);
-// slots (R) int64: row r's slot; limits (R, M) int64: how many entries query m sees. Returns (R, KV, M, D).
-torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
-                               torch::Tensor limits, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && keys.scalar_type() == torch::kFloat &&
-                  values.scalar_type() == torch::kFloat,
-              "cached_attention computes in float32");
-  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(), "bad shapes");
-  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == keys.size(3) && values.strides() == keys.strides(),
-              "cache entries must be contiguous per (slot, head)");
-  q = q.contiguous();
-  auto slot_index = slots.contiguous();
-  auto limit = limits.contiguous();
-  const int64_t R = q.size(0), KV = q.size(1), M = q.size(2), D = q.size(3), C = keys.size(2);
-  TORCH_CHECK(keys.size(1) == KV && keys.size(3) == D, "queries and cache disagree on heads or head size");
-  TORCH_CHECK(D % 8 == 0, "cached_attention needs a head size that is a multiple of 8");
-  TORCH_CHECK(limit.size(0) == R && limit.size(1) == M, "limits must be (rows, queries)");
-  TORCH_CHECK(limit.max().item<int64_t>() <= C, "a query would read past the cache's capacity");
-  auto out = torch::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
-  const int64_t *sp = slot_index.data_ptr<int64_t>(), *lp = limit.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t slot_stride = keys.stride(0), head_stride = keys.stride(1);
+// Every (row, kv head, share of its queries) of one call, over a cache of `Entry`s; paths (R, M, width) or null.
+template <typename Entry>
+void attend_all(const float* qp, const Entry* kp, const Entry* vp, const int64_t* sp, const int64_t* lp, float* op,
+                int64_t R, int64_t KV, int64_t M, int64_t D, int64_t slot_stride, int64_t head_stride, float scale,
+                const int64_t* paths, int64_t width, const int64_t* starts) {
   // Work items are (row, kv head, a share of its queries): one request has only `KV` (row, head) pairs, too
   // few to keep every thread busy, and each query is computed on its own anyway.
   const int64_t pairs = R * KV, threads = at::get_num_threads();
@@ -254,14 +336,73 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
       const int64_t r = pair / KV, h = pair % KV;
       const int64_t base = sp[r] * slot_stride + h * head_stride;
       const int64_t first = pair * M + m0;
-      attend(qp + first * D, kp + base, vp + base, lp + r * M + m0, op + first * D, count, D,
-             static_cast<float>(scale));
+      Paths row_paths;
+      if (paths) row_paths = {paths + (r * M + m0) * width, width, starts[r]};
+      attend(qp + first * D, kp + base, vp + base, lp + r * M + m0, op + first * D, count, D, scale, row_paths);
     }
   });
+}
+
+}  // namespace
+
+// q (R, KV, M, D) float32: the M queries of row r that share kv head h (grouped heads times positions);
+// keys, values (S, KV, C, D) float32 or bfloat16, a layer's cache, entries contiguous per (slot, head);
+// slots (R) int64: row r's slot; limits (R, M) int64: how many entries query m sees. Returns (R, KV, M, D).
+// Optional, for trees: paths (R, M, width) int64 and starts (R) int64: query m of row r sees entries
+// 0 .. starts[r] - 1, then paths[r][m][0 .. limits[r][m] - starts[r] - 1].
+torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
+                               torch::Tensor limits, double scale, c10::optional<torch::Tensor> paths,
+                               c10::optional<torch::Tensor> starts) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat, "cached_attention computes in float32");
+  TORCH_CHECK((keys.scalar_type() == torch::kFloat || keys.scalar_type() == torch::kBFloat16) &&
+                  values.scalar_type() == keys.scalar_type(),
+              "cached_attention reads a float32 or bfloat16 cache");
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(), "bad shapes");
+  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == keys.size(3) && values.strides() == keys.strides(),
+              "cache entries must be contiguous per (slot, head)");
+  q = q.contiguous();
+  auto slot_index = slots.contiguous();
+  auto limit = limits.contiguous();
+  const int64_t R = q.size(0), KV = q.size(1), M = q.size(2), D = q.size(3), C = keys.size(2);
+  TORCH_CHECK(keys.size(1) == KV && keys.size(3) == D, "queries and cache disagree on heads or head size");
+  TORCH_CHECK(D % 8 == 0, "cached_attention needs a head size that is a multiple of 8");
+  TORCH_CHECK(limit.size(0) == R && limit.size(1) == M, "limits must be (rows, queries)");
+  TORCH_CHECK(limit.max().item<int64_t>() <= C, "a query would read past the cache's capacity");
+  torch::Tensor path_entries, path_starts;
+  int64_t width = 0;
+  if (paths.has_value()) {
+    TORCH_CHECK(starts.has_value(), "cached_attention: paths need the rows' starts");
+    path_entries = paths->contiguous();
+    path_starts = starts->contiguous();
+    width = path_entries.size(2);
+    TORCH_CHECK(path_entries.size(0) == R && path_entries.size(1) == M && path_starts.size(0) == R,
+                "paths must be (rows, queries, width) and starts (rows)");
+    TORCH_CHECK(path_entries.numel() == 0 || (path_entries.min().item<int64_t>() >= 0 &&
+                                              path_entries.max().item<int64_t>() < C),
+                "a path entry lies outside the cache");
+    TORCH_CHECK((limit - path_starts.view({R, 1})).max().item<int64_t>() <= width, "a query's path is too short");
+  }
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const int64_t *sp = slot_index.data_ptr<int64_t>(), *lp = limit.data_ptr<int64_t>();
+  const int64_t* pp = width ? path_entries.data_ptr<int64_t>() : nullptr;
+  const int64_t* ps = paths.has_value() ? path_starts.data_ptr<int64_t>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const auto f = static_cast<float>(scale);
+  if (keys.scalar_type() == torch::kFloat) {
+    attend_all(qp, keys.data_ptr<float>(), values.data_ptr<float>(), sp, lp, op, R, KV, M, D, keys.stride(0),
+               keys.stride(1), f, pp, width, ps);
+  } else {  // bfloat16 read as its bits
+    const auto* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>());
+    const auto* vp = reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>());
+    attend_all(qp, kp, vp, sp, lp, op, R, KV, M, D, keys.stride(0), keys.stride(1), f, pp, width, ps);
+  }
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
-  m.def("cached_attention(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor limits, float scale) -> Tensor",
-        &cached_attention);
+  m.def(
+      "cached_attention(Tensor q, Tensor keys, Tensor values, Tensor slots, Tensor limits, float scale, "
+      "Tensor? paths=None, Tensor? starts=None) -> Tensor",
+      &cached_attention);
 }

@@ -6,10 +6,11 @@
 // 2-core EPYC. Here the same kernels (few_rows_linear, add_rms_norm, rotate_, cached_attention, ATen's silu
 // and mul) run in the same order on the same float32 rows, so a pass computes bit for bit what the Python
 // loop computes (tested); only the glue between them moved out of the interpreter.
-// Covers what the Python loop's fast path covers: causal rows (`limits`), a float32 cache, no biases and no
-// per-head q/k norms. Everything else stays on the Python loop (models/llama.py).
+// Covers what the Python loop's fast path covers: causal rows and trees (`limits`, `paths`), a float32 or
+// bfloat16 cache, no biases and no per-head q/k norms. Everything else stays on the Python loop (models/llama.py).
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -19,27 +20,30 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
                            double eps);
 void rotate_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
-                               torch::Tensor limits, double scale);
+                               torch::Tensor limits, double scale, c10::optional<torch::Tensor> paths,
+                               c10::optional<torch::Tensor> starts);
 
 namespace {
 
 constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post-attention norm, gate_up, down
 
 // Copies, for every real query (row r, position i < counts[r]), its kv heads' keys and values from the qkv
-// rows into cache entry starts[r] + i of slot slots[r].
+// rows into cache entry starts[r] + i of slot slots[r]; a bfloat16 cache takes them rounded to nearest even,
+// as a tensor copy rounds them in the Python loop.
+template <typename Entry>
 void write_cache(const torch::Tensor& qkv, torch::Tensor keys, torch::Tensor values, const int64_t* slots,
                  c10::IntArrayRef starts, c10::IntArrayRef counts, int64_t Q, int64_t H, int64_t KV, int64_t D) {
   const float* src = qkv.data_ptr<float>();
   const int64_t width = qkv.size(1);
-  float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  Entry *kp = keys.data_ptr<Entry>(), *vp = values.data_ptr<Entry>();
   const int64_t slot_stride = keys.stride(0), head_stride = keys.stride(1);
   for (int64_t r = 0; r < static_cast<int64_t>(counts.size()); ++r)
     for (int64_t i = 0; i < counts[r]; ++i) {
       const float* row = src + (r * Q + i) * width;
       for (int64_t h = 0; h < KV; ++h) {
         const int64_t at = slots[r] * slot_stride + h * head_stride + (starts[r] + i) * D;
-        std::memcpy(kp + at, row + (H + h) * D, D * sizeof(float));
-        std::memcpy(vp + at, row + (H + KV + h) * D, D * sizeof(float));
+        std::copy(row + (H + h) * D, row + (H + h + 1) * D, kp + at);
+        std::copy(row + (H + KV + h) * D, row + (H + KV + h + 1) * D, vp + at);
       }
     }
 }
@@ -47,25 +51,29 @@ void write_cache(const torch::Tensor& qkv, torch::Tensor keys, torch::Tensor val
 }  // namespace
 
 // x (R * Q, hidden): the residual stream after the embedding, updated in place. weights: six per layer (see
-// kWeightsPerLayer). keys, values (layers, slots, KV, capacity, D). cos, sin (R * Q, D). limits (R, group * Q):
-// what query (g, i) of row r sees, as the grouped queries of cached_attention. Returns the last layer's
+// kWeightsPerLayer). keys, values (layers, slots, KV, capacity, D). cos, sin (R * Q, D). limits (R, group * Q)
+// and, for a tree, paths (R, group * Q, width): what query (g, i) of row r sees, as the grouped queries of
+// cached_attention. Returns the last layer's
 // output (to be added by the final norm), then x + output of each layer in `capture`, in that order.
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor keys,
                                           torch::Tensor values, torch::Tensor cos, torch::Tensor sin,
                                           torch::Tensor slots, c10::IntArrayRef starts, c10::IntArrayRef counts,
-                                          torch::Tensor limits, int64_t heads, int64_t kv_heads, double eps,
-                                          c10::IntArrayRef capture) {
+                                          torch::Tensor limits, c10::optional<torch::Tensor> paths, int64_t heads,
+                                          int64_t kv_heads, double eps, c10::IntArrayRef capture) {
   const int64_t layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
   TORCH_CHECK(layers * kWeightsPerLayer == static_cast<int64_t>(weights.size()), "decoder_layers: six weights a layer");
-  TORCH_CHECK(keys.size(0) == layers && keys.scalar_type() == at::kFloat && keys.is_contiguous() &&
-                  values.is_contiguous(),
-              "decoder_layers: a contiguous float32 cache with one entry per layer");
+  const bool bf16_cache = keys.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(keys.size(0) == layers && (bf16_cache || keys.scalar_type() == at::kFloat) &&
+                  values.scalar_type() == keys.scalar_type() && keys.is_contiguous() && values.is_contiguous(),
+              "decoder_layers: a contiguous float32 or bfloat16 cache with one entry per layer");
   const int64_t R = static_cast<int64_t>(counts.size()), M = x.size(0), Q = M / R;
   const int64_t H = heads, KV = kv_heads, D = keys.size(4), group = H / KV;
   TORCH_CHECK(R == slots.size(0) && R * Q == M && static_cast<int64_t>(starts.size()) == R, "decoder_layers: rows");
   slots = slots.contiguous();
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
   const double scale = std::pow(static_cast<double>(D), -0.5);  // as the Python loop computes D ** -0.5
+  const c10::optional<torch::Tensor> path_starts =
+      paths.has_value() ? c10::optional<torch::Tensor>(torch::tensor(starts.vec(), slots.options())) : c10::nullopt;
   auto q = torch::empty({R, KV, group * Q, D}, x.options());
   auto attended = torch::empty({M, H * D}, x.options());
   std::vector<torch::Tensor> captured;
@@ -76,7 +84,10 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
     auto qkv = few_rows_linear(h, w[1]);  // (M, (H + 2 KV) D)
     rotate_(qkv.view({M, -1, D}), H + KV, cos, sin);
     auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
-    write_cache(qkv, layer_keys, layer_values, slot_ptr, starts, counts, Q, H, KV, D);
+    if (bf16_cache)
+      write_cache<at::BFloat16>(qkv, layer_keys, layer_values, slot_ptr, starts, counts, Q, H, KV, D);
+    else
+      write_cache<float>(qkv, layer_keys, layer_values, slot_ptr, starts, counts, Q, H, KV, D);
     // query head kv * group + g at position i goes to (kv, g * Q + i): the heads sharing a kv head together
     const float* src = qkv.data_ptr<float>();
     float* qp = q.data_ptr<float>();
@@ -85,7 +96,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
       for (int64_t head = 0; head < H; ++head)
         for (int64_t i = 0; i < Q; ++i)
           std::memcpy(qp + ((r * H + head) * Q + i) * D, src + (r * Q + i) * width + head * D, D * sizeof(float));
-    auto out = cached_attention(q, layer_keys, layer_values, slots, limits, scale);  // (R, KV, group * Q, D)
+    auto out = cached_attention(q, layer_keys, layer_values, slots, limits, scale, paths,
+                                path_starts);  // (R, KV, group * Q, D)
     const float* op = out.data_ptr<float>();
     float* ap = attended.data_ptr<float>();
     for (int64_t r = 0; r < R; ++r)
@@ -106,7 +118,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def(
       "decoder_layers(Tensor(a!) x, Tensor[] weights, Tensor(b!) keys, Tensor(c!) values, Tensor cos, Tensor sin, "
-      "Tensor slots, int[] starts, int[] counts, Tensor limits, int heads, int kv_heads, float eps, int[] capture) "
+      "Tensor slots, int[] starts, int[] counts, Tensor limits, Tensor? paths, int heads, int kv_heads, float eps, "
+      "int[] capture) "
       "-> Tensor[]",
       &decoder_layers);
 }
