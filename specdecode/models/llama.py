@@ -250,7 +250,7 @@ class LlamaRunner:
         self.dtype = torch.float32 if self.fused else weights  # of activations
         # the KV cache holds what the weights hold: bfloat16 entries halve what a long or batched step reads
         # (64 requests of 512 tokens: 1.1 GB a step in float32, against 270 MB of weights); every reader (the
-        # C++ attention, SDPA for trees) widens the same rounded entries, so verify = steps still holds
+        # C++ attention, SDPA for other masks) widens the same rounded entries, so verify = steps still holds
         self.cache_dtype = weights
 
         def vector(weight: torch.Tensor | None) -> torch.Tensor | None:  # a norm's weight, in the compute dtype
