@@ -106,7 +106,7 @@ inline v8 halves(v16 v) {
 // 32 dimensions of an entry. float: dimensions 0-15, then 16-31. bfloat16: the even dimensions, then the odd
 // ones: one load, a shift and a mask (each 32-bit lane holds an even and an odd entry; its high half read as a
 // float is the odd one exactly), where widening in order costs a shuffle per 16. Queries and value sums that
-// meet bfloat16 entries are kept in that order (`kSplit`) and put back at the end.
+// meet bfloat16 entries are kept in that order (`split` in `attend`) and put back at the end.
 inline void load32(const float* p, v16& lo, v16& hi) {
   lo = load16(p);
   hi = load16(p + 16);
@@ -221,7 +221,6 @@ inline void add_weighted(float* acc, const Entry* v, const float* weights, int64
   if (D == 64) return add_weighted_fixed<64>(acc, v, weights, visible);
   if (D == 128) return add_weighted_fixed<128>(acc, v, weights, visible);
   for (int64_t b = 0; b < visible; ++b) {
-    const v8 w = splat(weights[b]);
 #if defined(__AVX512F__)
     if (wide(D)) {
       const v16 w16 = v16{} + weights[b];
@@ -234,6 +233,7 @@ inline void add_weighted(float* acc, const Entry* v, const float* weights, int64
       continue;
     }
 #endif
+    const v8 w = splat(weights[b]);
     for (int64_t d = 0; d < D; d += 8) store8(acc + d, fma8(w, load8(v + b * D + d), load8(acc + d)));
   }
 }
@@ -295,23 +295,29 @@ void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limit
   }
   std::vector<Entry> gathered(paths.entries ? 2 * kBlock * D : 0);
   alignas(32) float weights[kBlock];
-  for (int64_t j0 = 0; j0 < longest; j0 += kBlock)
+  Entry *gathered_k = gathered.data(), *gathered_v = gathered.empty() ? nullptr : gathered.data() + kBlock * D;
+  for (int64_t j0 = 0; j0 < longest; j0 += kBlock) {
+    // a block reaching past the prefix: its prefix part is copied once, each query's path after it
+    const bool tail = paths.entries && j0 + std::min(longest - j0, kBlock) > paths.start;
+    const int64_t prefix = tail ? std::clamp(paths.start - j0, int64_t{0}, kBlock) : 0;
+    std::copy(k + j0 * D, k + (j0 + prefix) * D, gathered_k);
+    std::copy(v + j0 * D, v + (j0 + prefix) * D, gathered_v);
     for (int64_t m = 0; m < M; ++m) {
       const int64_t visible = std::min(limits[m] - j0, kBlock);
       if (visible <= 0) continue;
       const Entry *kb = k + j0 * D, *vb = v + j0 * D;
-      if (paths.entries && j0 + visible > paths.start) {
-        for (int64_t b = 0; b < visible; ++b) {
-          const int64_t j = j0 + b;
-          const int64_t entry = j < paths.start ? j : paths.entries[m * paths.width + j - paths.start];
-          std::copy(k + entry * D, k + (entry + 1) * D, gathered.data() + b * D);
-          std::copy(v + entry * D, v + (entry + 1) * D, gathered.data() + (kBlock + b) * D);
+      if (tail && visible > prefix) {
+        for (int64_t b = prefix; b < visible; ++b) {
+          const int64_t entry = paths.entries[m * paths.width + j0 + b - paths.start];
+          std::copy(k + entry * D, k + (entry + 1) * D, gathered_k + b * D);
+          std::copy(v + entry * D, v + (entry + 1) * D, gathered_v + b * D);
         }
-        kb = gathered.data();
-        vb = gathered.data() + kBlock * D;
+        kb = gathered_k;
+        vb = gathered_v;
       }
       attend_block(q + m * D, kb, vb, visible, D, scale, best[m], total[m], acc.data() + m * D, weights);
     }
+  }
   for (int64_t m = 0; m < M; ++m) {
     const float inv = total[m] > 0.f ? 1.f / total[m] : 0.f;
     for (int64_t d = 0; d < D; ++d) out[m * D + d] = acc[m * D + (split ? split_index(d) : d)] * inv;
