@@ -1,5 +1,6 @@
 """The DSpark/DFlash drafter: training and inference compute the same thing, and decoding stays lossless."""
 
+import copy
 import dataclasses
 from collections import Counter
 
@@ -9,11 +10,12 @@ from safetensors.torch import load_file, save_file
 
 from specdecode.drafters.base import Drafter, TargetFeatures
 from specdecode.drafters.checkpoint import load_drafter, save_drafter
-from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel
+from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel, _batch_cache, _context_and_mask
+from specdecode.drafters.layers import freeze_norms
 from specdecode.drafters.vocab import draft_index
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
-from specdecode.models.linear import FrozenLinear
+from specdecode.models.linear import FrozenLinear, freeze_linears
 from specdecode.sampling import SamplingParams
 from specdecode.training.block_losses import block_attention_mask, sample_anchors, teacher, training_losses
 from specdecode.training.data import Example
@@ -171,11 +173,10 @@ def test_features_left_pending_by_rounds_without_drafting_give_the_same_context(
         torch.testing.assert_close(a.confidences, b.confidences)
         with torch.no_grad():  # the whole context projected at once, at positions 0..12
             whole = model.context_kv(model.context(out.layer_hidden[None, :13]), torch.arange(13)[None])
-        for (k, v), (ek, ev), (wk, wv) in zip(d.kv, e.kv, whole, strict=True):
-            for x in (k, ek):
-                torch.testing.assert_close(x, wk)
-            for x in (v, ev):
-                torch.testing.assert_close(x, wv)
+        for layer, (wk, wv) in enumerate(whole):
+            for cache in (d.cache, e.cache):
+                torch.testing.assert_close(cache.keys[layer, :1, :, :13], wk)
+                torch.testing.assert_close(cache.values[layer, :1, :, :13], wv)
 
 
 @pytest.mark.parametrize(
@@ -206,14 +207,72 @@ def test_losses_are_finite_and_trainable(markov_rank, fill_in, draft_ids):
         assert "confidence_bce" in out
 
 
+def loop_drafter(target, kernel: str = "few-rows", **kwargs) -> BlockDrafter:
+    """A tiny drafter frozen for inference as a loaded one is, its linears on `kernel` at every size: on the
+    few-rows kernel its backbone runs in the C++ layer loop (drafters/block_loop.py)."""
+    model = make_model(target, **kwargs)
+    freeze_linears(model, "test-drafter", kernel=kernel)
+    freeze_norms(model)
+    drafter = BlockDrafter(model)
+    assert drafter.loop is not None and drafter.loop.runs(3 * model.config.block_size) == (kernel == "few-rows")
+    return drafter
+
+
 @pytest.mark.parametrize(
-    "markov_rank,fill_in,draft_ids",
-    [(0, False, None), (0, True, None), (8, False, None), (8, False, REDUCED)],
-    ids=["dflash", "fill-in", "dspark", "reduced-vocab"],
+    "qk_norm,kernel",
+    [(True, "few-rows"), (False, "few-rows"), (True, "onednn")],
+    ids=["head-norms", "no-head-norms", "library-kernel"],
 )
-def test_greedy_decoding_is_lossless(markov_rank, fill_in, draft_ids):
+def test_the_layer_loop_drafts_what_the_python_backbone_drafts(qk_norm, kernel):
+    """The C++ layer loop over each request's context cache gives the Python backbone's states (alone, and in
+    a batch of different context lengths) and so the same drafts and confidences; the context's keys and
+    values, projected for all layers in one product (on either kernel), are the Python path's."""
     target = tiny_target(vocab_size=24)
-    drafter = BlockDrafter(make_model(target, markov_rank=markov_rank, fill_in=fill_in, draft_ids=draft_ids))
+    drafter = loop_drafter(target, kernel, qk_norm=qk_norm)
+    ids = torch.randint(2, 24, (3, 14), generator=torch.Generator().manual_seed(3))
+    committed = [ids[0, :5].tolist(), ids[1, :12].tolist(), ids[2, :9].tolist()]
+    looped, python = [], []
+    for row, seq in zip(ids, committed, strict=True):
+        out = features_of(target, row)
+        n = len(seq) - 1
+        for group in (looped, python):
+            d = copy.copy(drafter)
+            d.begin(seq, SamplingParams(), torch.Generator(), TargetFeatures(out.layer_hidden[:n], None))
+            group.append(d)
+    for d in python:
+        d.loop = None
+    for rows in ([0], [0, 1, 2]):
+        got = BlockDrafter.propose_batch([looped[r] for r in rows], [committed[r] for r in rows], [4] * len(rows))
+        want = BlockDrafter.propose_batch([python[r] for r in rows], [committed[r] for r in rows], [4] * len(rows))
+        for a, b in zip(got, want, strict=True):
+            assert a.tokens.tolist() == b.tokens.tolist()
+            torch.testing.assert_close(a.confidences, b.confidences, rtol=1e-4, atol=1e-5)
+    for a, b in zip(looped, python, strict=True):  # the context K/V: one fused product and the C++ norm, rotation
+        for name in ("keys", "values"):
+            got, want = (getattr(d.cache, name)[:, :, :, : d.length] for d in (a, b))
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    model, g = drafter.model, drafter.config.block_size
+    inputs = torch.randn(3, g, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    positions = torch.stack([torch.arange(len(s) - 1, len(s) - 1 + g) for s in committed])
+    cache, starts = _batch_cache(looped, g)
+    if kernel != "few-rows":  # the Python backbone ran, on the library kernel; the context K/V are checked
+        return
+    with torch.inference_mode():
+        want_states = model.backbone(inputs, positions, *_context_and_mask(cache, starts, g))
+        got_states = drafter.loop(inputs, positions, cache, starts)
+    torch.testing.assert_close(got_states, want_states, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "markov_rank,fill_in,draft_ids,loop",
+    [(0, False, None, False), (0, True, None, False), (8, False, None, False), (8, False, REDUCED, False)]
+    + [(8, False, None, True)],
+    ids=["dflash", "fill-in", "dspark", "reduced-vocab", "dspark-layer-loop"],
+)
+def test_greedy_decoding_is_lossless(markov_rank, fill_in, draft_ids, loop):
+    target = tiny_target(vocab_size=24)
+    kwargs = dict(markov_rank=markov_rank, fill_in=fill_in, draft_ids=draft_ids)
+    drafter = loop_drafter(target, **kwargs) if loop else BlockDrafter(make_model(target, **kwargs))
     prompt = [3, 4, 5, 6, 7]
     normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
     reference = normal.generate(prompt, SamplingParams(), max_new_tokens=40)[0].token_ids

@@ -28,9 +28,11 @@ import torch
 from torch import nn
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
+from specdecode.drafters.block_loop import LoopBackbone
 from specdecode.drafters.layers import DecoderBlock, Rotary
 from specdecode.drafters.vocab import draft_ids_of, maps_agree, vocab_maps
 from specdecode.errors import SpecDecodeError
+from specdecode.models.llama import KVCache
 from specdecode.sampling import SamplingParams, probabilities, sample
 from specdecode.training.calibration import calibrated_confidence
 
@@ -247,6 +249,7 @@ class BlockDrafter(Drafter):
         self.config = model.config
         self.name = model.config.kind
         self.target_layer_ids = list(model.config.target_layer_ids)
+        self.loop = LoopBackbone.of(model)  # the C++ layer loop, where it runs (drafters/block_loop.py)
 
     @property
     def has_confidences(self) -> bool:
@@ -254,7 +257,7 @@ class BlockDrafter(Drafter):
 
     def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:
         self.params, self.generator = params, generator
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.cache: KVCache | None = None  # every layer's context keys and values, entries 0 .. length - 1
         self.length = 0
         self.pending: list[torch.Tensor] = [] if features is None else [features.layer_hidden]
 
@@ -262,22 +265,34 @@ class BlockDrafter(Drafter):
     @torch.inference_mode()
     def _project_pending(cls, drafters: list["BlockDrafter"]) -> None:
         """Project the pending target features of every drafter into its layers' context K/V: one product
-        over all their rows (each row's projection is its own), then each drafter's slice appended."""
+        over all their rows (each row's projection is its own), then each drafter's slice stored in its cache."""
         waiting = [d for d in drafters if d.pending]
         if not waiting:
             return
-        model = waiting[0].model
+        model, loop = waiting[0].model, waiting[0].loop
         rows = [torch.cat(d.pending) for d in waiting]
         positions = torch.cat([torch.arange(d.length, d.length + len(r)) for d, r in zip(waiting, rows, strict=True)])
-        new = model.context_kv(model.context(torch.cat(rows)[None]), positions[None])
+        context_kv = model.context_kv if loop is None else loop.context_kv
+        new = context_kv(model.context(torch.cat(rows)[None]), positions[None])
         first = 0
         for d, r in zip(waiting, rows, strict=True):
-            mine = [(k[:, :, first : first + len(r)], v[:, :, first : first + len(r)]) for k, v in new]
-            old = d.kv or [(k[:, :, :0], v[:, :, :0]) for k, v in mine]
-            d.kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(old, mine, strict=True)]
-            d.length += len(r)
+            d._reserve(d.length + len(r) + d.config.block_size, new[0][0])
+            end = d.length + len(r)
+            for layer, (k, v) in enumerate(new):
+                d.cache.keys[layer, 0, :, d.length : end] = k[0, :, first : first + len(r)]
+                d.cache.values[layer, 0, :, d.length : end] = v[0, :, first : first + len(r)]
+            d.length = end
             d.pending = []
             first += len(r)
+
+    def _reserve(self, entries: int, like: torch.Tensor) -> None:
+        """A cache that holds `entries` per layer (the context and the next block): made, or doubled."""
+        if self.cache is None:
+            c = self.config
+            shape = (c.num_layers, 1, c.num_kv_heads, c.head_dim, max(entries, 256))
+            self.cache = KVCache(*shape, like.dtype, like.device)
+        elif entries > self.cache.capacity:
+            self.cache.grow(max(entries, 2 * self.cache.capacity))
 
     @property
     def _samples(self) -> bool:
@@ -296,16 +311,21 @@ class BlockDrafter(Drafter):
         proposals = [EMPTY_PROPOSAL] * len(drafters)
         drafting = [r for r, d in enumerate(drafters) if max_tokens[r] > 0]
         cls._project_pending([drafters[r] for r in drafting])
-        rows = [r for r in drafting if drafters[r].kv is not None]
+        rows = [r for r in drafting if drafters[r].length > 0]
         if not rows:
             return proposals
-        model, c = drafters[rows[0]].model, drafters[rows[0]].config
+        first = drafters[rows[0]]
+        model, c = first.model, first.config
         g = c.block_size
         anchors = torch.tensor([ids[r][-1] for r in rows])
         inputs = torch.cat([model.embed(anchors)[:, None], model.mask_input((len(rows), g - 1))], dim=1)
         positions = torch.stack([torch.arange(len(ids[r]) - 1, len(ids[r]) - 1 + g) for r in rows])
-        kv, mask = _padded_context([drafters[r] for r in rows], g)
-        h = model.prediction_states(model.backbone(inputs, positions, kv, mask))
+        cache, starts = _batch_cache([drafters[r] for r in rows], g)
+        if first.loop is not None and first.loop.runs(len(rows) * g):
+            h = first.loop(inputs, positions, cache, starts)
+        else:
+            h = model.backbone(inputs, positions, *_context_and_mask(cache, starts, g))
+        h = model.prediction_states(h)
 
         drawn_from: dict[int, list[torch.Tensor]] = {r: [] for r in rows}  # q of each sampled draft
 
@@ -333,22 +353,29 @@ class BlockDrafter(Drafter):
         self.pending.append(features.layer_hidden)
 
 
-def _padded_context(drafters: list[BlockDrafter], block_size: int):
-    """Every layer's context K/V of several requests, right-padded to the longest, and the attention mask
-    (R, 1, block, longest + block) that hides the padding; a single request's own K/V and no mask."""
-    if len(drafters) == 1:
-        return drafters[0].kv, None
+def _batch_cache(drafters: list[BlockDrafter], block_size: int) -> tuple[KVCache, list[int]]:
+    """The context caches of several requests as one, slot r holding request r's (a copy, with room for the
+    block after the longest), and their lengths; a single request's own cache."""
     lengths = [d.length for d in drafters]
+    if len(drafters) == 1:
+        return drafters[0].cache, lengths
+    keys = drafters[0].cache.keys
+    c = drafters[0].config
+    batch = KVCache(c.num_layers, len(drafters), c.num_kv_heads, c.head_dim, max(lengths) + block_size, keys.dtype,
+                    keys.device)  # fmt: skip
+    for slot, d in enumerate(drafters):
+        batch.keys[:, slot, :, : d.length] = d.cache.keys[:, 0, :, : d.length]
+        batch.values[:, slot, :, : d.length] = d.cache.values[:, 0, :, : d.length]
+    return batch, lengths
+
+
+def _context_and_mask(cache: KVCache, lengths: list[int], block_size: int):
+    """Every layer's context K/V (R, kvh, longest, d) for the Python backbone, and the attention mask
+    (R, 1, block, longest + block) that hides the padding (None for a single request)."""
     longest = max(lengths)
-    kv = []
-    for layer in range(len(drafters[0].kv)):
-        k0 = drafters[0].kv[layer][0]
-        keys = k0.new_zeros(len(drafters), k0.shape[1], longest, k0.shape[3])
-        values = torch.zeros_like(keys)
-        for i, d in enumerate(drafters):
-            k, v = d.kv[layer]
-            keys[i, :, : d.length], values[i, :, : d.length] = k[0], v[0]
-        kv.append((keys, values))
+    kv = [(cache.keys[layer, :, :, :longest], cache.values[layer, :, :, :longest]) for layer in range(len(cache.keys))]
+    if len(lengths) == 1:
+        return kv, None
     context = torch.arange(longest)[None] < torch.tensor(lengths)[:, None]
-    mask = torch.cat([context, torch.ones(len(drafters), block_size, dtype=torch.bool)], dim=1)
+    mask = torch.cat([context, torch.ones(len(lengths), block_size, dtype=torch.bool)], dim=1)
     return kv, mask[:, None, None, :].expand(-1, 1, block_size, -1)

@@ -23,11 +23,16 @@ class Rotary(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim), False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (..., L, d) rotated by positions (..., L)."""
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (..., d) of the angles at positions (...)."""
         angles = positions[..., None].float() * self.inv_freq
         emb = torch.cat([angles, angles], dim=-1)
-        return x * emb.cos().to(x.dtype) + rotate_half(x) * emb.sin().to(x.dtype)
+        return emb.cos(), emb.sin()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (..., L, d) rotated by positions (..., L)."""
+        cos, sin = self.tables(positions)
+        return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
 class FrozenRMSNorm(nn.Module):

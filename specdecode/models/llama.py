@@ -370,7 +370,7 @@ class LlamaRunner:
             delta, *outputs = torch.ops.specdecode.decoder_layers(
                 x.view(R * Q, -1), self.layer_weights, cache.keys, cache.values, cos.view(R * Q, D),
                 sin.view(R * Q, D), rows.slot_index, rows.starts, rows.counts, rows.grouped_limits(H // KV),
-                rows.grouped_paths(H // KV), H, KV, self.eps, layer_ids,
+                rows.grouped_paths(H // KV), H, KV, False, self.eps, layer_ids,
             )  # fmt: skip
             captured.update((i, out.view(R, Q, -1)) for i, out in zip(layer_ids, outputs, strict=True))
             delta = delta.view(R, Q, -1)

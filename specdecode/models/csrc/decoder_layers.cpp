@@ -7,7 +7,9 @@
 // and mul) run in the same order on the same float32 rows, so a pass computes bit for bit what the Python
 // loop computes (tested); only the glue between them moved out of the interpreter.
 // Covers what the Python loop's fast path covers: causal rows and trees (`limits`, `paths`), a float32 or
-// bfloat16 cache, no biases and no per-head q/k norms. Everything else stays on the Python loop (models/llama.py).
+// bfloat16 cache, no biases. Everything else stays on the Python loop (models/llama.py). With `head_norms`
+// every query and key head is RMS-normed before its rotation (Qwen3's block, which the block drafters use:
+// drafters/block_loop.py runs their backbone here).
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -26,6 +28,24 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
 namespace {
 
 constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post-attention norm, gate_up, down
+constexpr int64_t kHeadNormWeights = 2;  // with head_norms, then: q norm, k norm
+
+// RMS-normalises, in place, heads first .. first + count - 1 of every row of qkv (M, width) over their D
+// values with `weight` (D), in add_rms_norm's arithmetic.
+void norm_heads_(torch::Tensor& qkv, int64_t first, int64_t count, int64_t D, const torch::Tensor& weight,
+                 double eps) {
+  float* base = qkv.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const int64_t M = qkv.size(0), width = qkv.size(1);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t h = first; h < first + count; ++h) {
+      float* v = base + m * width + h * D;
+      float sum = 0.f;
+      for (int64_t i = 0; i < D; ++i) sum += v[i] * v[i];
+      const float scale = 1.f / std::sqrt(sum / D + static_cast<float>(eps));
+      for (int64_t i = 0; i < D; ++i) v[i] = v[i] * scale * w[i];
+    }
+}
 
 // Copies, for every real query (row r, position i < counts[r]), its kv heads' keys and values from the qkv
 // rows into cache entry starts[r] + i of slot slots[r]; a bfloat16 cache takes them rounded to nearest even,
@@ -51,17 +71,19 @@ void write_cache(const torch::Tensor& qkv, torch::Tensor keys, torch::Tensor val
 }  // namespace
 
 // x (R * Q, hidden): the residual stream after the embedding, updated in place. weights: six per layer (see
-// kWeightsPerLayer). keys, values (layers, slots, KV, capacity, D). cos, sin (R * Q, D). limits (R, group * Q)
-// and, for a tree, paths (R, group * Q, width): what query (g, i) of row r sees, as the grouped queries of
-// cached_attention. Returns the last layer's
-// output (to be added by the final norm), then x + output of each layer in `capture`, in that order.
+// kWeightsPerLayer), eight with head_norms. keys, values (layers, slots, KV, capacity, D). cos, sin (R * Q, D).
+// limits (R, group * Q) and, for a tree, paths (R, group * Q, width): what query (g, i) of row r sees, as the
+// grouped queries of cached_attention. Returns the last layer's output (to be added by the final norm), then
+// x + output of each layer in `capture`, in that order.
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor keys,
                                           torch::Tensor values, torch::Tensor cos, torch::Tensor sin,
                                           torch::Tensor slots, c10::IntArrayRef starts, c10::IntArrayRef counts,
                                           torch::Tensor limits, c10::optional<torch::Tensor> paths, int64_t heads,
-                                          int64_t kv_heads, double eps, c10::IntArrayRef capture) {
-  const int64_t layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
-  TORCH_CHECK(layers * kWeightsPerLayer == static_cast<int64_t>(weights.size()), "decoder_layers: six weights a layer");
+                                          int64_t kv_heads, bool head_norms, double eps, c10::IntArrayRef capture) {
+  const int64_t per_layer = kWeightsPerLayer + (head_norms ? kHeadNormWeights : 0);
+  const int64_t layers = static_cast<int64_t>(weights.size()) / per_layer;
+  TORCH_CHECK(layers * per_layer == static_cast<int64_t>(weights.size()),
+              "decoder_layers: six weights a layer (eight with head norms)");
   const bool bf16_cache = keys.scalar_type() == at::kBFloat16;
   TORCH_CHECK(keys.size(0) == layers && (bf16_cache || keys.scalar_type() == at::kFloat) &&
                   values.scalar_type() == keys.scalar_type() && keys.is_contiguous() && values.is_contiguous(),
@@ -79,9 +101,13 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
   std::vector<torch::Tensor> captured;
   c10::optional<torch::Tensor> delta;
   for (int64_t layer = 0; layer < layers; ++layer) {
-    const torch::Tensor* w = weights.data() + layer * kWeightsPerLayer;
+    const torch::Tensor* w = weights.data() + layer * per_layer;
     auto h = add_rms_norm(x, delta, w[0], eps);
     auto qkv = few_rows_linear(h, w[1]);  // (M, (H + 2 KV) D)
+    if (head_norms) {
+      norm_heads_(qkv, 0, H, D, w[kWeightsPerLayer], eps);
+      norm_heads_(qkv, H, KV, D, w[kWeightsPerLayer + 1], eps);
+    }
     rotate_(qkv.view({M, -1, D}), H + KV, cos, sin);
     auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
     if (bf16_cache)
@@ -118,7 +144,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def(
       "decoder_layers(Tensor(a!) x, Tensor[] weights, Tensor(b!) keys, Tensor(c!) values, Tensor cos, Tensor sin, "
-      "Tensor slots, int[] starts, int[] counts, Tensor limits, Tensor? paths, int heads, int kv_heads, float eps, "
+      "Tensor slots, int[] starts, int[] counts, Tensor limits, Tensor? paths, int heads, int kv_heads, bool head_norms, "
+      "float eps, "
       "int[] capture) "
       "-> Tensor[]",
       &decoder_layers);

@@ -1,0 +1,108 @@
+"""The block drafter's backbone at inference on the target runner's C++ layer loop (csrc/decoder_layers.cpp).
+
+Why: a drafting round runs two small layers over 7 block tokens a request. In Python each layer is ~45
+dispatched ops (norms, rotations, the context concatenated with the block, SDPA) and cost 2.0 ms a round for
+the shipped drafter, of which ~0.6 ms streams weights. The layer loop runs the same layers in one call: the
+context's keys and values wait in a `KVCache` (each request's own, grown by doubling), the block's keys and
+values are written right after them (and overwritten by the next round's context), and every block query
+sees the context and the whole block: `limits` = context length + block size. The arithmetic is the Python
+backbone's up to the attention's summation order, and verification never depends on it.
+"""
+
+import torch
+from torch import Tensor
+
+from specdecode.drafters.layers import FrozenRMSNorm
+from specdecode.models.linear import FEW_ROWS_MAX, FrozenLinear, Linear, bucket, cpu_kernels_available
+from specdecode.models.llama import KVCache
+
+
+class LoopBackbone:
+    """The backbone of a frozen `DSparkModel` (its linears `FrozenLinear`, its norms `FrozenRMSNorm`) as the
+    C++ layer loop's weights: q, k, v and gate, up fused into one matrix each, as the target runner has them."""
+
+    def __init__(self, model) -> None:
+        c = model.config
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.head_norms = c.qk_norm
+        self.eps = model.norm.eps
+        self.norm = model.norm.weight
+        self.rotary = model.rotary
+        self.weights: list[torch.Tensor] = []
+        self.qkv: list[Linear] = []
+        # every layer's keys and values of the context in one product: (layers * 2 * kv_heads * head_dim, H)
+        self.context_kv_linear = _fused([m for layer in model.layers for m in (layer.k_proj, layer.v_proj)])
+        self.k_norms = [layer.k_norm.weight if self.head_norms else None for layer in model.layers]
+        for layer in model.layers:
+            qkv = _fused([layer.q_proj, layer.k_proj, layer.v_proj])
+            gate_up = _fused([layer.gate_proj, layer.up_proj])
+            self.qkv.append(qkv)
+            self.weights += [
+                layer.input_layernorm.weight,
+                qkv.kernel_weight,
+                layer.o_proj.linear.kernel_weight,
+                layer.post_attention_layernorm.weight,
+                gate_up.kernel_weight,
+                layer.down_proj.linear.kernel_weight,
+            ]
+            if self.head_norms:
+                self.weights += [layer.q_norm.weight, layer.k_norm.weight]
+
+    @classmethod
+    def of(cls, model) -> "LoopBackbone | None":
+        """The loop for `model` where it can run (a CPU model whose kernels built, frozen for inference), else None."""
+        frozen = all(isinstance(m, FrozenLinear) for layer in model.layers for m in _linears(layer)) and isinstance(
+            model.norm, FrozenRMSNorm
+        )
+        cpu = model.fc.weight.device.type == "cpu"
+        return cls(model) if frozen and cpu and cpu_kernels_available() else None
+
+    def runs(self, tokens: int) -> bool:
+        """Whether a pass of `tokens` block tokens takes the loop: where the drafter's measured plan runs the
+        few-rows kernel at that size (elsewhere a library kernel streams faster and the Python path uses it)."""
+        plan = self.qkv[0].plan.get(bucket(tokens))
+        return plan == "few-rows" or (not plan and tokens <= FEW_ROWS_MAX)
+
+    @torch.inference_mode()
+    def __call__(self, inputs: Tensor, positions: Tensor, cache: KVCache, starts: list[int]) -> Tensor:
+        """Final-normed states (R, Q, H) of block inputs (R, Q, H) at positions (R, Q); row r's context is slot r
+        of `cache`, entries 0 .. starts[r] - 1 (its block is written after them)."""
+        R, Q, hidden = inputs.shape
+        x = inputs.reshape(R * Q, hidden).to(torch.float32, copy=True)  # the residual stream, updated in place
+        cos, sin = (t.reshape(R * Q, -1) for t in self.rotary.tables(positions))
+        group = self.heads // self.kv_heads
+        limits = (torch.tensor(starts) + Q)[:, None].expand(R, group * Q).contiguous()
+        delta, *_ = torch.ops.specdecode.decoder_layers(
+            x, self.weights, cache.keys, cache.values, cos, sin, torch.arange(R), starts, [Q] * R, limits, None,
+            self.heads, self.kv_heads, self.head_norms, self.eps, [],
+        )  # fmt: skip
+        return torch.ops.specdecode.add_rms_norm(x, delta, self.norm, self.eps).view(R, Q, hidden)
+
+    @torch.inference_mode()
+    def context_kv(self, context: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """`DSparkModel.context_kv` in one product and the C++ norm and rotation: every layer's keys (normed,
+        rotated) and values (1, kv_heads, n, head_dim) of context vectors (1, n, H) at positions (1, n)."""
+        n, KV, D = context.shape[1], self.kv_heads, self.head_dim
+        kv = self.context_kv_linear(context.reshape(n, -1)).view(n, len(self.k_norms), 2, KV, D)
+        cos, sin = self.rotary.tables(positions.reshape(n))
+        out = []
+        for layer, k_norm in enumerate(self.k_norms):
+            keys = kv[:, layer, 0].contiguous()  # (n, KV, D)
+            if k_norm is not None:
+                keys = torch.ops.specdecode.add_rms_norm(keys.view(n * KV, D), None, k_norm, self.eps).view(n, KV, D)
+            torch.ops.specdecode.rotate_(keys, KV, cos, sin)
+            out.append((keys.transpose(0, 1)[None], kv[:, layer, 1].transpose(0, 1)[None]))
+        return out
+
+
+def _linears(layer) -> list:
+    return [layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.gate_proj, layer.up_proj, layer.down_proj]
+
+
+def _fused(modules: list) -> Linear:
+    """One matrix for frozen projections of the same input, planned as the first of them."""
+    fused = Linear(torch.cat([m.linear.weight for m in modules]))
+    fused.plan = dict(modules[0].linear.plan)
+    if "onednn" in fused.plan.values():
+        fused.pack_onednn()
+    return fused
