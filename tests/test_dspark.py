@@ -214,21 +214,27 @@ def loop_drafter(target, kernel: str = "few-rows", **kwargs) -> BlockDrafter:
     freeze_linears(model, "test-drafter", kernel=kernel)
     freeze_norms(model)
     drafter = BlockDrafter(model)
-    assert drafter.loop is not None and drafter.loop.runs(3 * model.config.block_size) == (kernel == "few-rows")
+    assert drafter.kernels is not None and drafter.kernels.runs(3 * model.config.block_size) == (kernel == "few-rows")
     return drafter
 
 
 @pytest.mark.parametrize(
-    "qk_norm,kernel",
-    [(True, "few-rows"), (False, "few-rows"), (True, "onednn")],
-    ids=["head-norms", "no-head-norms", "library-kernel"],
+    "qk_norm,kernel,markov_rank,draft_ids",
+    [
+        (True, "few-rows", 8, None),
+        (False, "few-rows", 8, REDUCED),
+        (True, "few-rows", 0, None),
+        (True, "onednn", 8, None),
+    ],
+    ids=["head-norms", "no-head-norms-reduced-vocab", "dflash", "library-kernel"],
 )
-def test_the_layer_loop_drafts_what_the_python_backbone_drafts(qk_norm, kernel):
+def test_the_cpp_kernels_draft_what_the_python_path_drafts(qk_norm, kernel, markov_rank, draft_ids):
     """The C++ layer loop over each request's context cache gives the Python backbone's states (alone, and in
-    a batch of different context lengths) and so the same drafts and confidences; the context's keys and
-    values, projected for all layers in one product (on either kernel), are the Python path's."""
+    a batch of different context lengths), and with the greedy Markov chain's C++ loop the same drafts and
+    confidences; the context's keys and values, projected for all layers in one product (on either kernel),
+    are the Python path's."""
     target = tiny_target(vocab_size=24)
-    drafter = loop_drafter(target, kernel, qk_norm=qk_norm)
+    drafter = loop_drafter(target, kernel, qk_norm=qk_norm, markov_rank=markov_rank, draft_ids=draft_ids)
     ids = torch.randint(2, 24, (3, 14), generator=torch.Generator().manual_seed(3))
     committed = [ids[0, :5].tolist(), ids[1, :12].tolist(), ids[2, :9].tolist()]
     looped, python = [], []
@@ -240,7 +246,7 @@ def test_the_layer_loop_drafts_what_the_python_backbone_drafts(qk_norm, kernel):
             d.begin(seq, SamplingParams(), torch.Generator(), TargetFeatures(out.layer_hidden[:n], None))
             group.append(d)
     for d in python:
-        d.loop = None
+        d.kernels = None
     for rows in ([0], [0, 1, 2]):
         got = BlockDrafter.propose_batch([looped[r] for r in rows], [committed[r] for r in rows], [4] * len(rows))
         want = BlockDrafter.propose_batch([python[r] for r in rows], [committed[r] for r in rows], [4] * len(rows))
@@ -259,7 +265,7 @@ def test_the_layer_loop_drafts_what_the_python_backbone_drafts(qk_norm, kernel):
         return
     with torch.inference_mode():
         want_states = model.backbone(inputs, positions, *_context_and_mask(cache, starts, g))
-        got_states = drafter.loop(inputs, positions, cache, starts)
+        got_states = drafter.kernels.backbone(inputs, positions, cache, starts)
     torch.testing.assert_close(got_states, want_states, rtol=1e-4, atol=1e-5)
 
 

@@ -1,25 +1,30 @@
-"""The block drafter's backbone at inference on the target runner's C++ layer loop (csrc/decoder_layers.cpp).
+"""The block drafter's inference on the runner's C++ kernels: backbone, context K/V and greedy Markov chain.
 
-Why: a drafting round runs two small layers over 7 block tokens a request. In Python each layer is ~45
-dispatched ops (norms, rotations, the context concatenated with the block, SDPA) and cost 2.0 ms a round for
-the shipped drafter, of which ~0.6 ms streams weights. The layer loop runs the same layers in one call: the
-context's keys and values wait in a `KVCache` (each request's own, grown by doubling), the block's keys and
-values are written right after them (and overwritten by the next round's context), and every block query
-sees the context and the whole block: `limits` = context length + block size. The arithmetic is the Python
-backbone's up to the attention's summation order, and verification never depends on it.
+Why: a drafting round is small (two layers over 7 block tokens a request, an LM head, 7 Markov steps) and in
+Python it is mostly dispatch: each layer ~45 ops (norms, rotations, the context concatenated with the block,
+SDPA), 2.0 ms a round for the shipped drafter of which ~0.6 ms streams weights; the sequential stage ~0.9 ms.
+- Backbone: the target's C++ layer loop (csrc/decoder_layers.cpp) runs the layers in one call. The context's
+  keys and values wait in a `KVCache` (each request's own, grown by doubling), the block's are written right
+  after them (and overwritten by the next round's context), and every block query sees the context and the
+  whole block: `limits` = context length + block size.
+- Context K/V: every layer's keys and values of new context vectors in one fused product.
+- Greedy chain: at temperature 0 the vanilla Markov stage is one C++ loop (csrc/markov_chain.cpp).
+The arithmetic is the Python path's up to summation order and bfloat16 rounding of the Markov input;
+verification never depends on it.
 """
 
 import torch
 from torch import Tensor
 
 from specdecode.drafters.layers import FrozenRMSNorm
-from specdecode.models.linear import FEW_ROWS_MAX, FrozenLinear, Linear, bucket, cpu_kernels_available
+from specdecode.models.linear import FrozenLinear, Linear, bucket, cpu_kernels_available
 from specdecode.models.llama import KVCache
 
 
-class LoopBackbone:
-    """The backbone of a frozen `DSparkModel` (its linears `FrozenLinear`, its norms `FrozenRMSNorm`) as the
-    C++ layer loop's weights: q, k, v and gate, up fused into one matrix each, as the target runner has them."""
+class BlockKernels:
+    """A frozen `DSparkModel` (its linears `FrozenLinear`, its norms `FrozenRMSNorm`) prepared for the C++
+    kernels: q, k, v and gate, up fused into one matrix each, as the target runner has them; every layer's
+    context k, v fused; the Markov bias matrix transposed (bfloat16)."""
 
     def __init__(self, model) -> None:
         c = model.config
@@ -47,10 +52,17 @@ class LoopBackbone:
             ]
             if self.head_norms:
                 self.weights += [layer.q_norm.weight, layer.k_norm.weight]
+        markov = model.markov
+        self.chains = markov is None or markov.kind == "vanilla"  # the greedy chain's C++ loop covers these
+        if self.chains:
+            self.w1 = torch.empty(c.vocab_size, 0) if markov is None else markov.w1.weight.detach().float()
+            w2 = torch.empty(c.draft_vocab, 0) if markov is None else markov.w2.weight
+            self.w2t = w2.to(torch.bfloat16).t().contiguous()
+            self.d2t = model.d2t.long() if c.draft_vocab_size else None
 
     @classmethod
-    def of(cls, model) -> "LoopBackbone | None":
-        """The loop for `model` where it can run (a CPU model whose kernels built, frozen for inference), else None."""
+    def of(cls, model) -> "BlockKernels | None":
+        """The kernels for `model` where they run (a CPU model whose kernels built, frozen for inference), else None."""
         frozen = all(isinstance(m, FrozenLinear) for layer in model.layers for m in _linears(layer)) and isinstance(
             model.norm, FrozenRMSNorm
         )
@@ -58,13 +70,13 @@ class LoopBackbone:
         return cls(model) if frozen and cpu and cpu_kernels_available() else None
 
     def runs(self, tokens: int) -> bool:
-        """Whether a pass of `tokens` block tokens takes the loop: where the drafter's measured plan runs the
-        few-rows kernel at that size (elsewhere a library kernel streams faster and the Python path uses it)."""
-        plan = self.qkv[0].plan.get(bucket(tokens))
-        return plan == "few-rows" or (not plan and tokens <= FEW_ROWS_MAX)
+        """Whether a backbone pass of `tokens` block tokens takes the loop: always over bfloat16 panels (they keep
+        up with the library kernels at any row count, as in the target runner; measured: 8 requests' blocks
+        15.4 ms in Python on oneDNN, 10.9 ms in the loop), else where the measured plan runs the few-rows kernel."""
+        return self.qkv[0].kernel_weight.dim() == 3 or self.qkv[0].plan.get(bucket(tokens)) == "few-rows"
 
     @torch.inference_mode()
-    def __call__(self, inputs: Tensor, positions: Tensor, cache: KVCache, starts: list[int]) -> Tensor:
+    def backbone(self, inputs: Tensor, positions: Tensor, cache: KVCache, starts: list[int]) -> Tensor:
         """Final-normed states (R, Q, H) of block inputs (R, Q, H) at positions (R, Q); row r's context is slot r
         of `cache`, entries 0 .. starts[r] - 1 (its block is written after them)."""
         R, Q, hidden = inputs.shape
@@ -93,6 +105,15 @@ class LoopBackbone:
             torch.ops.specdecode.rotate_(keys, KV, cos, sin)
             out.append((keys.transpose(0, 1)[None], kv[:, layer, 1].transpose(0, 1)[None]))
         return out
+
+    @torch.inference_mode()
+    def greedy_chain(self, model, h: Tensor, base_logits: Tensor, anchors: Tensor) -> tuple[Tensor | None, Tensor]:
+        """`DSparkModel.sequential` at temperature 0 for states h (R, G, H), draft logits (R, G, N) and anchors
+        (R): confidence logits (R, G) (None without the head) and the drafts' target ids (R, G)."""
+        tokens, _, embedded = torch.ops.specdecode.markov_greedy(
+            base_logits.float(), self.w1, self.w2t, self.d2t, anchors
+        )
+        return model.confidence_logits(h, embedded if self.w1.shape[1] else None), tokens
 
 
 def _linears(layer) -> list:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
-from specdecode.drafters.block_loop import LoopBackbone
+from specdecode.drafters.block_loop import BlockKernels
 from specdecode.drafters.layers import DecoderBlock, Rotary
 from specdecode.drafters.vocab import draft_ids_of, maps_agree, vocab_maps
 from specdecode.errors import SpecDecodeError
@@ -232,10 +232,15 @@ class DSparkModel(nn.Module):
             logits.append(step_logits)
             tokens.append(token)
             prev = token
-        conf = None
-        if self.config.confidence_head:  # nothing feeds back from it: one product for the whole block
-            conf = self.confidence(torch.cat([h, torch.stack(embedded, -2)], -1) if embedded else h).squeeze(-1)
+        conf = self.confidence_logits(h, torch.stack(embedded, -2) if embedded else None)
         return torch.stack(logits, -2), conf, torch.stack(tokens, -1)
+
+    def confidence_logits(self, h: torch.Tensor, embedded: torch.Tensor | None) -> torch.Tensor | None:
+        """The confidence head's logits (..., G) from the states h (..., G, H) and the Markov embeddings of the
+        tokens fed forward (..., G, r); None without the head. Nothing feeds back from it: one product a block."""
+        if not self.config.confidence_head:
+            return None
+        return self.confidence(h if embedded is None else torch.cat([h, embedded], -1)).squeeze(-1)
 
 
 class BlockDrafter(Drafter):
@@ -249,7 +254,7 @@ class BlockDrafter(Drafter):
         self.config = model.config
         self.name = model.config.kind
         self.target_layer_ids = list(model.config.target_layer_ids)
-        self.loop = LoopBackbone.of(model)  # the C++ layer loop, where it runs (drafters/block_loop.py)
+        self.kernels = BlockKernels.of(model)  # inference on the C++ kernels, where they run (block_loop.py)
 
     @property
     def has_confidences(self) -> bool:
@@ -269,10 +274,10 @@ class BlockDrafter(Drafter):
         waiting = [d for d in drafters if d.pending]
         if not waiting:
             return
-        model, loop = waiting[0].model, waiting[0].loop
+        model, kernels = waiting[0].model, waiting[0].kernels
         rows = [torch.cat(d.pending) for d in waiting]
         positions = torch.cat([torch.arange(d.length, d.length + len(r)) for d, r in zip(waiting, rows, strict=True)])
-        context_kv = model.context_kv if loop is None else loop.context_kv
+        context_kv = model.context_kv if kernels is None else kernels.context_kv
         new = context_kv(model.context(torch.cat(rows)[None]), positions[None])
         first = 0
         for d, r in zip(waiting, rows, strict=True):
@@ -321,8 +326,9 @@ class BlockDrafter(Drafter):
         inputs = torch.cat([model.embed(anchors)[:, None], model.mask_input((len(rows), g - 1))], dim=1)
         positions = torch.stack([torch.arange(len(ids[r]) - 1, len(ids[r]) - 1 + g) for r in rows])
         cache, starts = _batch_cache([drafters[r] for r in rows], g)
-        if first.loop is not None and first.loop.runs(len(rows) * g):
-            h = first.loop(inputs, positions, cache, starts)
+        kernels = first.kernels
+        if kernels is not None and kernels.runs(len(rows) * g):
+            h = kernels.backbone(inputs, positions, cache, starts)
         else:
             h = model.backbone(inputs, positions, *_context_and_mask(cache, starts, g))
         h = model.prediction_states(h)
@@ -337,7 +343,10 @@ class BlockDrafter(Drafter):
                     tokens[i] = sample(drawn_from[r][-1], drafters[r].generator)
             return model.to_target(tokens)
 
-        logits, conf, tokens = model.sequential(h, model.draft_logits(h), anchors, choose=choose)
+        if kernels is not None and kernels.chains and not any(drafters[r]._samples for r in rows):
+            conf, tokens = kernels.greedy_chain(model, h, model.draft_logits(h), anchors)
+        else:
+            _, conf, tokens = model.sequential(h, model.draft_logits(h), anchors, choose=choose)
         for i, r in enumerate(rows):
             d, n = drafters[r], max_tokens[r]
             confidences = (
