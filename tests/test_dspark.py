@@ -209,7 +209,7 @@ def test_losses_are_finite_and_trainable(markov_rank, fill_in, draft_ids):
 
 def loop_drafter(target, kernel: str = "few-rows", **kwargs) -> BlockDrafter:
     """A tiny drafter frozen for inference as a loaded one is, its linears on `kernel` at every size: on the
-    few-rows kernel its backbone runs in the C++ layer loop (drafters/block_loop.py)."""
+    few-rows kernel its backbone runs in the C++ layer loop (drafters/block_kernels.py)."""
     model = make_model(target, **kwargs)
     freeze_linears(model, "test-drafter", kernel=kernel)
     freeze_norms(model)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
-from specdecode.drafters.block_loop import BlockKernels
+from specdecode.drafters.block_kernels import BlockKernels
 from specdecode.drafters.layers import DecoderBlock, Rotary
 from specdecode.drafters.vocab import draft_ids_of, maps_agree, vocab_maps
 from specdecode.errors import SpecDecodeError
@@ -254,7 +254,7 @@ class BlockDrafter(Drafter):
         self.config = model.config
         self.name = model.config.kind
         self.target_layer_ids = list(model.config.target_layer_ids)
-        self.kernels = BlockKernels.of(model)  # inference on the C++ kernels, where they run (block_loop.py)
+        self.kernels = BlockKernels.of(model)  # inference on the C++ kernels, where they run (block_kernels.py)
 
     @property
     def has_confidences(self) -> bool:

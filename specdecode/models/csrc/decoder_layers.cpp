@@ -9,7 +9,7 @@
 // Covers what the Python loop's fast path covers: causal rows and trees (`limits`, `paths`), a float32 or
 // bfloat16 cache, no biases. Everything else stays on the Python loop (models/llama.py). With `head_norms`
 // every query and key head is RMS-normed before its rotation (Qwen3's block, which the block drafters use:
-// drafters/block_loop.py runs their backbone here).
+// drafters/block_kernels.py runs their backbone here).
 #include <torch/extension.h>
 
 #include <algorithm>
