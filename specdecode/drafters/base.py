@@ -6,7 +6,6 @@ how they were made. After each round the drafter is told how many of its tokens 
 target's features for the positions the target has just committed.
 """
 
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,12 +137,13 @@ class Drafter:
 
 
 def cost_digest(drafter: Drafter) -> str:
-    """What a drafter's cost depends on: its kind, configuration and code (a faster drafting path must be
-    measured again, or the drafting gate keeps deciding on the old cost), and those of the drafter it wraps."""
+    """What a drafter's cost depends on: its kind and configuration, those of the drafter it wraps, and the
+    drafters' code (every module of the package: a faster drafting path, wherever it lives, must be measured
+    again, or the drafting gate keeps deciding on the old cost)."""
     parts = []
     while isinstance(drafter, Drafter):
         config = getattr(drafter, "config", None)
-        code = Path(inspect.getfile(type(drafter))).read_text()
-        parts.append([drafter.name, config.to_dict() if hasattr(config, "to_dict") else None, code])
+        parts.append([drafter.name, config.to_dict() if hasattr(config, "to_dict") else None])
         drafter = getattr(drafter, "model", None)
-    return stable_digest(parts)
+    code = [source.read_text() for source in sorted(Path(__file__).parent.glob("*.py"))]
+    return stable_digest([parts, code])
