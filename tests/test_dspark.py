@@ -269,6 +269,14 @@ def test_the_cpp_kernels_draft_what_the_python_path_drafts(qk_norm, kernel, mark
     torch.testing.assert_close(got_states, want_states, rtol=1e-4, atol=1e-5)
 
 
+def test_the_cpp_chain_serves_plain_temperatures_only():
+    """Top-k and top-p shape q in `sampling.probabilities` only: such requests stay on the Python chain."""
+    drafter = loop_drafter(tiny_target(vocab_size=24))
+    assert drafter.kernels.chains_for([SamplingParams(), SamplingParams(temperature=0.7)])
+    assert not drafter.kernels.chains_for([SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9)])
+    assert not drafter.kernels.chains_for([SamplingParams(temperature=1.0, top_k=5)])
+
+
 @pytest.mark.parametrize(
     "markov_rank,fill_in,draft_ids,loop",
     [(0, False, None, False), (0, True, None, False), (8, False, None, False), (8, False, REDUCED, False)]
@@ -288,14 +296,18 @@ def test_greedy_decoding_is_lossless(markov_rank, fill_in, draft_ids, loop):
 
 
 @pytest.mark.parametrize(
-    "markov_rank,draft_ids", [(0, None), (8, None), (8, REDUCED)], ids=["dflash", "dspark", "dspark-reduced-vocab"]
+    "markov_rank,draft_ids,kernels",
+    [(0, None, False), (8, None, False), (8, REDUCED, False), (8, None, True), (8, REDUCED, True)],
+    ids=["dflash", "dspark", "dspark-reduced-vocab", "dspark-cpp-chain", "dspark-reduced-vocab-cpp-chain"],
 )
-def test_sampling_is_lossless(markov_rank, draft_ids):
+def test_sampling_is_lossless(markov_rank, draft_ids, kernels):
     """DSpark samples with its Markov-corrected q, DFlash proposes argmax: both keep the target's distribution
-    (with a reduced draft vocabulary too, where q is zero on the tokens it cannot propose)."""
+    (with a reduced draft vocabulary too, where q is zero on the tokens it cannot propose), also when the
+    chain is sampled by the C++ loop (which returns the q it drew from)."""
     target = tiny_target(vocab_size=12)
-    model = make_model(target, markov_rank=markov_rank, draft_ids=draft_ids)
-    decoder = SpeculativeDecoder(target, BlockDrafter(model), draft_length=3)
+    kwargs = dict(markov_rank=markov_rank, draft_ids=draft_ids)
+    drafter = loop_drafter(target, **kwargs) if kernels else BlockDrafter(make_model(target, **kwargs))
+    decoder = SpeculativeDecoder(target, drafter, draft_length=3)
     params = SamplingParams(temperature=1.0)
     prompt = [3, 4, 5, 6]
     n = 1500 if draft_ids is None else 3000  # the reduced vocabulary, whose q is zero on some tokens, gets more

@@ -8,7 +8,8 @@ SDPA), 2.0 ms a round for the shipped drafter of which ~0.6 ms streams weights; 
   after them (and overwritten by the next round's context), and every block query sees the context and the
   whole block: `limits` = context length + block size.
 - Context K/V: every layer's keys and values of new context vectors in one fused product.
-- Greedy chain: at temperature 0 the vanilla Markov stage is one C++ loop (csrc/markov_chain.cpp).
+- Markov chain: the vanilla Markov stage, greedy or sampled at a plain temperature, is one C++ loop
+  (csrc/markov_chain.cpp).
 The arithmetic is the Python path's up to summation order and bfloat16 rounding of the Markov input;
 verification never depends on it.
 """
@@ -19,6 +20,7 @@ from torch import Tensor
 from specdecode.drafters.layers import FrozenRMSNorm
 from specdecode.models.linear import FrozenLinear, Linear, bucket, cpu_kernels_available
 from specdecode.models.llama import KVCache
+from specdecode.sampling import SamplingParams
 
 
 class BlockKernels:
@@ -106,14 +108,30 @@ class BlockKernels:
             out.append((keys.transpose(0, 1)[None], kv[:, layer, 1].transpose(0, 1)[None]))
         return out
 
+    def chains_for(self, params: list[SamplingParams]) -> bool:
+        """Whether the C++ chain serves requests with these settings: a vanilla Markov head (or none), each
+        request greedy or sampling at a plain temperature (top-k and top-p stay on the Python path)."""
+        return self.chains and all(p.greedy or (p.top_k == 0 and p.top_p == 1) for p in params)
+
     @torch.inference_mode()
-    def greedy_chain(self, model, h: Tensor, base_logits: Tensor, anchors: Tensor) -> tuple[Tensor | None, Tensor]:
-        """`DSparkModel.sequential` at temperature 0 for states h (R, G, H), draft logits (R, G, N) and anchors
-        (R): confidence logits (R, G) (None without the head) and the drafts' target ids (R, G)."""
-        tokens, _, embedded = torch.ops.specdecode.markov_greedy(
-            base_logits.float(), self.w1, self.w2t, self.d2t, anchors
+    def chain(
+        self, model, h: Tensor, base_logits: Tensor, anchors: Tensor, temperatures: list[float], generators: list
+    ) -> tuple[Tensor | None, Tensor, Tensor]:
+        """`DSparkModel.sequential` at inference for states h (R, G, H), draft logits (R, G, N) and anchors (R),
+        row r greedy at temperature 0, else drawn from q = softmax(z / t) with uniforms from `generators[r]`:
+        confidence logits (R, G) (None without the head), the drafts' target ids (R, G), and per row q (the
+        sampled rows) or the corrected logits (R, G, N)."""
+        R, G = base_logits.shape[:2]
+        uniforms = None
+        if any(t > 0 for t in temperatures):
+            uniforms = torch.zeros(R, G, dtype=torch.float64)
+            for r, (t, generator) in enumerate(zip(temperatures, generators, strict=True)):
+                if t > 0:
+                    uniforms[r] = torch.rand(G, dtype=torch.float64, generator=generator)
+        tokens, out, embedded = torch.ops.specdecode.markov_chain(
+            base_logits.float(), self.w1, self.w2t, self.d2t, anchors, temperatures, uniforms
         )
-        return model.confidence_logits(h, embedded if self.w1.shape[1] else None), tokens
+        return model.confidence_logits(h, embedded if self.w1.shape[1] else None), tokens, out
 
 
 def _linears(layer) -> list:

@@ -343,10 +343,14 @@ class BlockDrafter(Drafter):
                     tokens[i] = sample(drawn_from[r][-1], drafters[r].generator)
             return model.to_target(tokens)
 
-        if kernels is not None and kernels.chains and not any(drafters[r]._samples for r in rows):
-            conf, tokens = kernels.greedy_chain(model, h, model.draft_logits(h), anchors)
+        if kernels is not None and kernels.chains_for([drafters[r].params for r in rows]):
+            temperatures = [drafters[r].params.temperature if drafters[r]._samples else 0.0 for r in rows]
+            generators = [drafters[r].generator for r in rows]
+            conf, tokens, q = kernels.chain(model, h, model.draft_logits(h), anchors, temperatures, generators)
+            sampled = {r: q[i] for i, r in enumerate(rows) if drafters[r]._samples}
         else:
             _, conf, tokens = model.sequential(h, model.draft_logits(h), anchors, choose=choose)
+            sampled = {r: torch.stack(q) for r, q in drawn_from.items() if q}
         for i, r in enumerate(rows):
             d, n = drafters[r], max_tokens[r]
             confidences = (
@@ -354,7 +358,7 @@ class BlockDrafter(Drafter):
                 if conf is None
                 else calibrated_confidence(conf[i, :n], c.calibration_temperatures, c.calibration_biases)
             )
-            probs = model.target_probs(torch.stack(drawn_from[r][:n])) if d._samples else None
+            probs = model.target_probs(sampled[r][:n]) if d._samples else None
             proposals[r] = Proposal(tokens=tokens[i, :n], probs=probs, confidences=confidences)
         return proposals
 
