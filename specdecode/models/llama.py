@@ -120,6 +120,7 @@ class Rows:
         first = self.slots[0]
         self.adjacent = self.slots == list(range(first, first + R))  # read a view of the slots, not a gather
         self.slot_index = torch.tensor(self.slots)
+        self.start_index = torch.tensor(self.starts)
         real = torch.arange(Q)[None] < torch.tensor(self.counts)[:, None]
         self.real = None if bool(real.all()) else real  # which queries are written (None: all)
         self.write_slot = self.slot_index[:, None].expand(R, Q)[real]
@@ -140,7 +141,10 @@ class Rows:
 
     def to(self, device: torch.device) -> "Rows":
         """The same rows with their index tensors on `device` (a no-op on the CPU)."""
-        for name in ("positions", "mask", "limits", "paths", "slot_index", "real", "write_slot", "write_entry"):
+        for name in (
+            *("positions", "mask", "limits", "paths"),
+            *("slot_index", "start_index", "real", "write_slot", "write_entry"),
+        ):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.to(device))
@@ -334,7 +338,7 @@ class LlamaRunner:
             grouped = q.reshape(R, self.kv_heads, group * Q, D)
             out = torch.ops.specdecode.cached_attention(
                 grouped, cache.keys[layer], cache.values[layer], rows.slot_index, rows.grouped_limits(group),
-                D**-0.5, rows.grouped_paths(group), None if rows.paths is None else torch.tensor(rows.starts),
+                D**-0.5, rows.grouped_paths(group), None if rows.paths is None else rows.start_index,
             )  # fmt: skip
             return out.view(R, H, Q, D)
         k, v = (entries.to(q.dtype) for entries in cache.read(layer, rows))
