@@ -9,6 +9,7 @@ any real mistake (a wrong position, mask or cache entry) moves logits by whole u
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -16,8 +17,10 @@ import torch.nn.functional as F
 
 from specdecode.engine.batch import BatchedTarget
 from specdecode.engine.decode import tree_attention
+from specdecode.models import linear as linear_module
 from specdecode.models.linear import (
     FEW_ROWS_MAX,
+    ROW_BUCKETS,
     Linear,
     cpu_kernels_available,
     native_bfloat16,
@@ -290,6 +293,7 @@ def test_bfloat16_panels_are_exact_per_row_and_compute_the_rounded_product():
 
 def test_forced_kernels_compute_the_same_and_auto_picks_a_measured_candidate(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(linear_module, "MAX_FOREIGN_CORES", math.inf)  # whatever else runs: cached
     generator = torch.Generator().manual_seed(1)
     linears = [Linear(torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator))]
     x = torch.randn(5, 64, generator=generator)
@@ -303,6 +307,15 @@ def test_forced_kernels_compute_the_same_and_auto_picks_a_measured_candidate(tmp
     assert list(tmp_path.glob("specdecode/kernel-plans/*.json"))  # measured once, then read back, not re-timed
     again = plan_kernels(linears, "auto", {"test": "auto"})
     assert again["choice"] == plan["choice"] and again["timings"] == json.loads(json.dumps(plan["timings"]))
+
+
+def test_a_plan_measured_beside_other_processes_is_not_cached(tmp_path, monkeypatch):
+    """A kernel plan or dtype choice timed while other processes held a core serves that process only."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(linear_module, "MAX_FOREIGN_CORES", -1.0)  # every measurement counts as contaminated
+    linears = [Linear(torch.randn(96, 64, generator=torch.Generator().manual_seed(1)))]
+    plan = plan_kernels(linears, "auto", {"test": "loaded"}, reps=1)
+    assert set(plan["choice"]) == set(ROW_BUCKETS) and not list(tmp_path.glob("specdecode/kernel-plans/*.json"))
 
 
 def test_one_request_cache_grows_past_its_first_capacity():
