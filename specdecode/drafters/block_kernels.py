@@ -1,4 +1,4 @@
-"""The block drafter's inference on the runner's C++ kernels: backbone, context K/V and greedy Markov chain.
+"""The block drafter's inference on the runner's C++ kernels: backbone, context K/V and the Markov chain.
 
 Why: a drafting round is small (two layers over 7 block tokens a request, an LM head, 7 Markov steps) and in
 Python it is mostly dispatch: each layer ~45 ops (norms, rotations, the context concatenated with the block,
@@ -55,7 +55,7 @@ class BlockKernels:
             if self.head_norms:
                 self.weights += [layer.q_norm.weight, layer.k_norm.weight]
         markov = model.markov
-        self.chains = markov is None or markov.kind == "vanilla"  # the greedy chain's C++ loop covers these
+        self.chains = markov is None or markov.kind == "vanilla"  # the C++ chain covers these heads
         if self.chains:
             self.w1 = torch.empty(c.vocab_size, 0) if markov is None else markov.w1.weight.detach().float()
             w2 = torch.empty(c.draft_vocab, 0) if markov is None else markov.w2.weight
