@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", required=True, help="a regenerated data folder, or a packed .npz (specdecode data pack)")
     t.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, and drafter/ at the end")
     t.add_argument("--features", default="online", help="online, or the folder of an offline feature cache")
+    t.add_argument(
+        "--init",
+        default=None,
+        help="a trained drafter folder of the same kind to fine-tune: its architecture, target layers and draft "
+        "vocabulary are kept (the architecture options below are ignored), its calibration is dropped",
+    )
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--max-steps", type=int, default=None)
     t.add_argument("--lr", type=float, default=6e-4)
@@ -693,6 +699,7 @@ def cmd_train(args) -> None:
         args.max_length,
         architecture=architecture,
         max_conversations=args.max_conversations,
+        init=args.init,
     )
     _note(f'drafter written to {path}; try: specdecode generate "Hello" --drafter {path}')
 

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import json
 from collections import Counter
 
 import pytest
@@ -20,6 +21,8 @@ from specdecode.sampling import SamplingParams
 from specdecode.training.block_losses import block_attention_mask, sample_anchors, teacher, training_losses
 from specdecode.training.data import Example
 from specdecode.training.features import FeatureBatch, OfflineFeatures, write_feature_cache
+from specdecode.training.run import run_training
+from specdecode.training.trainer import TrainConfig
 from tests.conftest import tiny_target
 from tests.test_lossless import exact_two_token_distribution
 from tests.test_verify import chi_square_pvalue
@@ -403,3 +406,30 @@ def test_cached_teacher_statistics_give_the_same_losses(tmp_path):
     assert OfflineFeatures(cache).batch(examples[:2]).target_log_z is None
     write_feature_cache(target, LAYERS, examples, cache)
     torch.testing.assert_close(OfflineFeatures(cache).batch(examples[:2]).target_log_z, batch.target_log_z)
+
+
+def test_fine_tuning_starts_from_the_given_drafter(tmp_path):
+    """`train --init`: the run starts from the drafter's weights, architecture and draft vocabulary (at lr 0 it
+    writes them back unchanged), drops its calibration and refuses a drafter of another kind."""
+    target = tiny_target(vocab_size=24)
+    g = torch.Generator().manual_seed(6)
+    examples = [Example(f"ex{i}", torch.randint(2, 24, (14,), generator=g), torch.arange(14) >= 3) for i in range(12)]
+    cache = write_feature_cache(target, LAYERS, examples, tmp_path / "cache")
+    model = make_model(target, draft_ids=REDUCED)
+    model.config.calibration_temperatures, model.config.calibration_biases = [1.5] * 7, [0.1] * 7
+    save_drafter(tmp_path / "init", "dspark", model, model.config.to_dict(), target, {"data": "first"})
+
+    config = TrainConfig(lr=0.0, micro_batch_size=2, max_steps=2, save_every=2, eval_every=2, eval_examples=2)
+    path = run_training(
+        "dspark", target, "unused", tmp_path / "run", config, str(cache), 64, 0.25, init=tmp_path / "init"
+    )
+    tuned = load_file(str(path / "model.safetensors"))
+    assert tuned.keys() == model.state_dict().keys()
+    assert all(torch.equal(tuned[k], v) for k, v in model.state_dict().items())
+    saved = json.loads((path / "config.json").read_text())
+    assert saved["architecture"]["calibration_temperatures"] == []
+    assert saved["recipe"]["init"]["recipe"] == {"data": "first"}
+    with pytest.raises(SpecDecodeError, match="not a dflash one"):
+        run_training(
+            "dflash", target, "unused", tmp_path / "run2", config, str(cache), 64, 0.25, init=tmp_path / "init"
+        )

@@ -107,13 +107,14 @@ def frozen(model: torch.nn.Module, kind: str, target: Target) -> torch.nn.Module
     return model
 
 
-def load_drafter(path: str | Path, target: Target):
-    """Build the drafter stored at `path` for `target`, refusing a checkpoint made for another target."""
+def load_model(path: str | Path, target: Target) -> tuple[str, torch.nn.Module]:
+    """The kind and the trainable model stored at `path` (float32, not frozen), refusing a checkpoint made for
+    another target: what `load_drafter` serves and `specdecode train --init` fine-tunes."""
     config = read_config(path)
     check_target(config, target, path)
     kind = config["kind"]
     if kind in ("dspark", "dflash"):
-        from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel
+        from specdecode.drafters.dspark import DSparkConfig, DSparkModel
 
         try:
             arch = DSparkConfig(**{**LEGACY_BLOCK_DEFAULTS, **config["architecture"]})
@@ -123,12 +124,8 @@ def load_drafter(path: str | Path, target: Target):
             model = DSparkModel(arch, target.model.get_input_embeddings(), target.output_head())
         except (IndexError, RuntimeError, SpecDecodeError) as e:
             raise SpecDecodeError(f"drafter checkpoint {path} has an invalid architecture ({first_line(e)})") from e
-        load_weights(model, path)
-        if not model.vocab_maps_agree():
-            raise SpecDecodeError(f"drafter checkpoint {path} is broken: its d2t and t2d vocabulary maps disagree")
-        return BlockDrafter(frozen(model, kind, target))
-    if kind == "eagle3":
-        from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Model
+    elif kind == "eagle3":
+        from specdecode.drafters.eagle3 import Eagle3Config, Eagle3Model
 
         try:
             arch = Eagle3Config(**config["architecture"])
@@ -141,8 +138,21 @@ def load_drafter(path: str | Path, target: Target):
             )
         except (TypeError, IndexError, RuntimeError, SpecDecodeError) as e:
             raise SpecDecodeError(f"drafter checkpoint {path} has an invalid architecture ({first_line(e)})") from e
-        load_weights(model, path)
-        if not model.vocab_maps_agree():
-            raise SpecDecodeError(f"drafter checkpoint {path} is broken: its d2t and t2d vocabulary maps disagree")
-        return Eagle3Drafter(frozen(model, kind, target), fingerprint=config["target"].get("fingerprint"))
-    raise SpecDecodeError(f"drafter checkpoint {path} has unknown kind '{kind}'")
+    else:
+        raise SpecDecodeError(f"drafter checkpoint {path} has unknown kind '{kind}'")
+    load_weights(model, path)
+    if not model.vocab_maps_agree():
+        raise SpecDecodeError(f"drafter checkpoint {path} is broken: its d2t and t2d vocabulary maps disagree")
+    return kind, model
+
+
+def load_drafter(path: str | Path, target: Target):
+    """Build the drafter stored at `path` for `target`, ready to draft (frozen, in the target's dtype)."""
+    kind, model = load_model(path, target)
+    if kind == "eagle3":
+        from specdecode.drafters.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter(frozen(model, kind, target), fingerprint=target.fingerprint())
+    from specdecode.drafters.dspark import BlockDrafter
+
+    return BlockDrafter(frozen(model, kind, target))

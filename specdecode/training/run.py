@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from specdecode.drafters.checkpoint import save_drafter
+from specdecode.drafters.checkpoint import load_model, read_config, save_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
 from specdecode.training.data import Example, tokenize_conversation
@@ -58,15 +58,26 @@ def run_training(
     held_out: float = 0.03,
     architecture: dict | None = None,
     max_conversations: int | None = None,
+    init: str | None = None,
 ) -> Path:
     """Train a drafter of `kind`; `max_conversations` keeps the first N training conversations (in the data's
-    order) and the same held-out set, for scaling curves."""
+    order) and the same held-out set, for scaling curves. `init` fine-tunes a trained drafter of that kind
+    instead of a fresh one: its architecture, target layers and draft vocabulary are kept, its calibration is
+    dropped (it no longer describes the weights; run `specdecode calibrate` again)."""
     if kind not in TRAINABLE_KINDS:
         raise SpecDecodeError(f"unknown drafter kind '{kind}'; choose one of {', '.join(TRAINABLE_KINDS)}")
     if max_conversations is not None and max_conversations < 1:
         raise SpecDecodeError(f"--max-conversations must be >= 1, got {max_conversations}")
     architecture = dict(architecture or {})
     layer_ids = architecture.pop("target_layer_ids", None) or recipe_layer_ids(kind, target.num_layers)
+    initial = None
+    if init is not None:
+        initial_kind, initial = load_model(init, target)
+        if initial_kind != kind:
+            raise SpecDecodeError(f"--init {init} is a {initial_kind} drafter, not a {kind} one")
+        layer_ids = list(initial.config.target_layer_ids)
+        if kind != "eagle3":
+            initial.config.calibration_temperatures, initial.config.calibration_biases = [], []
     if features == "online":
         examples = load_examples(target, data_dir, max_length)
         source = OnlineFeatures(target, layer_ids)
@@ -77,7 +88,9 @@ def run_training(
     eval_set = [e for e in examples if is_held_out(e.id, held_out)]
     if not train_set or not eval_set:
         raise SpecDecodeError(f"{len(examples)} usable conversations are too few to split off a held-out set")
-    if kind == "eagle3":  # its draft vocabulary is counted on the training answers
+    if initial is not None:
+        model = initial
+    elif kind == "eagle3":  # its draft vocabulary is counted on the training answers
         model = build_eagle3_drafter(target, train_set, target_layer_ids=layer_ids, **architecture)
     else:
         model = build_block_drafter(kind, target, target_layer_ids=layer_ids, examples=train_set, **architecture)
@@ -90,6 +103,7 @@ def run_training(
         "training": asdict(config),
         "data": str(data_dir),
         "features": features,
+        "init": None if init is None else {"drafter": str(init), "recipe": read_config(init).get("recipe", {})},
         "train_conversations": len(train_set),
         "train_supervised_tokens": sum(int(e.loss_mask.sum()) for e in train_set),
         "held_out_conversations": len(eval_set),
