@@ -21,8 +21,22 @@ def command_line() -> str:
     return "specdecode " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "specdecode" else " ".join(sys.argv)
 
 
+NOTES_HEADING = "## Notes"
+
+
+def kept_notes(path: Path) -> str:
+    """The hand-written `## Notes` section (to the end) of an earlier `<name>.md`: a rerun keeps what people
+    wrote about the numbers, for them to update, instead of silently dropping it."""
+    if not path.exists():
+        return ""
+    lines = path.read_text().splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.rstrip() == NOTES_HEADING]
+    return "\n" + "".join(lines[starts[0] :]) if starts else ""
+
+
 def write_results(name: str, out_dir: str, target: str, runs: list[dict], table_md: str, **extra) -> Path:
-    """Write `<name>.json` in the shared shape and `<name>.md` (the table plus the command)."""
+    """Write `<name>.json` in the shared shape and `<name>.md` (the table plus the command, and the notes of
+    the file it replaces)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -36,9 +50,10 @@ def write_results(name: str, out_dir: str, target: str, runs: list[dict], table_
         "runs": runs,
     }
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out / f"{name}.md").write_text(
+    markdown = out / f"{name}.md"
+    markdown.write_text(
         f"# {name}\n\nCommand: `{doc['command']}`  \nCreated {doc['created']} at commit {doc['git_commit']} on "
         f"{doc['machine']['cpu']} ({doc['machine']['cores']} cores, torch {doc['machine']['torch']}).\n\n"
-        f"{table_md}\n"
+        f"{table_md}\n{kept_notes(markdown)}"
     )
     return out / f"{name}.json"
