@@ -20,6 +20,7 @@
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w);
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps);
+void rms_norm_row(const float* in, float* out, const float* weight, int64_t n, float eps);
 void rotate_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
                                torch::Tensor limits, double scale, c10::optional<torch::Tensor> paths,
@@ -31,7 +32,7 @@ constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post-attention n
 constexpr int64_t kHeadNormWeights = 2;  // with head_norms, then: q norm, k norm
 
 // RMS-normalises, in place, heads first .. first + count - 1 of every row of qkv (M, width) over their D
-// values with `weight` (D), in add_rms_norm's arithmetic.
+// values with `weight` (D).
 void norm_heads_(torch::Tensor& qkv, int64_t first, int64_t count, int64_t D, const torch::Tensor& weight,
                  double eps) {
   float* base = qkv.data_ptr<float>();
@@ -40,10 +41,7 @@ void norm_heads_(torch::Tensor& qkv, int64_t first, int64_t count, int64_t D, co
   for (int64_t m = 0; m < M; ++m)
     for (int64_t h = first; h < first + count; ++h) {
       float* v = base + m * width + h * D;
-      float sum = 0.f;
-      for (int64_t i = 0; i < D; ++i) sum += v[i] * v[i];
-      const float scale = 1.f / std::sqrt(sum / D + static_cast<float>(eps));
-      for (int64_t i = 0; i < D; ++i) v[i] = v[i] * scale * w[i];
+      rms_norm_row(v, v, w, D, static_cast<float>(eps));
     }
 }
 

@@ -321,6 +321,14 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
 // (upcast, square, mean, rsqrt, multiply; slice, negate, concatenate) costs tens of microseconds in
 // dispatch, and a pass runs 60 norms and 30 rotations. One loop each, over float32 rows.
 
+// out[0..n) = in / rms(in) * weight; in and out may be the same row.
+void rms_norm_row(const float* in, float* out, const float* weight, int64_t n, float eps) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += in[i] * in[i];
+  const float scale = 1.f / std::sqrt(sum / n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = in[i] * scale * weight[i];
+}
+
 // residual (M, H) += delta (when given); returns residual / rms(residual) * weight.
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps) {
@@ -335,13 +343,9 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
   float* o = out.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     float* row = r + m * H;
-    float sum = 0.f;
-    for (int64_t i = 0; i < H; ++i) {
-      if (dp) row[i] += dp[m * H + i];
-      sum += row[i] * row[i];
-    }
-    const float scale = 1.f / std::sqrt(sum / H + static_cast<float>(eps));
-    for (int64_t i = 0; i < H; ++i) o[m * H + i] = row[i] * scale * w[i];
+    if (dp)
+      for (int64_t i = 0; i < H; ++i) row[i] += dp[m * H + i];
+    rms_norm_row(row, o + m * H, w, H, static_cast<float>(eps));
   }
   return out;
 }
