@@ -74,3 +74,20 @@ def test_one_request_decoding_leaves_a_self_gating_drafter_alone():
     assert SpeculativeDecoder(target, model, 4, scheduler="prefix").gate is not None
     hybrid = HybridDrafter(model, costs=(0.01, 0.012))
     assert SpeculativeDecoder(target, hybrid, 4, scheduler="prefix").gate is None
+
+
+def test_the_engine_leaves_a_self_gating_drafter_alone_with_one_request():
+    """With one request the engine's step is one-request decoding: the hybrid drafts (or looks up) every step
+    even where the gate would refuse; with two requests in the pass the gate decides again."""
+    from specdecode.drafters.hybrid import HybridDrafter
+
+    target = tiny_target(vocab_size=32, seed=3)
+    model = BlockDrafter(build_block_drafter("dspark", target, num_layers=1, block_size=4, target_layer_ids=[0]))
+    target.set_capture_layers(model.target_layer_ids)
+    config = EngineConfig(max_batch=2, max_len=64, draft_length=4, scheduler="prefix")
+    for prompts, skipped in (([[3, 4, 5]], False), ([[3, 4, 5], [6, 7, 8, 9]], True)):
+        hybrid = HybridDrafter(model, costs=(0.01, 0.012))
+        engine = ContinuousEngine(target, hybrid, config, lambda b: 1 / compute_bound(b), draft_s=lambda r: 1.0)
+        outputs = [c.token_ids for c in _run(engine, prompts, 24)]
+        assert outputs == [_normal_greedy(target, p, 24) for p in prompts]
+        assert (engine.metrics.steps_without_drafting > 0) == skipped

@@ -298,7 +298,10 @@ class ContinuousEngine:
         """Draft for every running request (unless the gate says it will not pay), schedule, one batched
         verify pass, commit each request."""
         speculating = [s for s in self._running if s.request.speculate]
-        drafting = self.gate.should_draft([s.drafting for s in speculating]) if self.gate else True
+        # one request alone is one-request decoding, where a self-gating drafter (the hybrid) has no gate on top:
+        # skipping its drafting would skip its suffix lookups too, whose drafts cost no drafting pass
+        gated = self.gate is not None and not (self.drafter.gates_itself and len(speculating) == 1)
+        drafting = self.gate.should_draft([s.drafting for s in speculating]) if gated else True
         t0 = time.perf_counter()
         proposals = self.drafter.propose_batch(  # a limit of 0 drafts nothing and keeps the drafter in step
             [s.drafter for s in self._running],
