@@ -298,8 +298,9 @@ class ContinuousEngine:
         """Draft for every running request (unless the gate says it will not pay), schedule, one batched
         verify pass, commit each request."""
         speculating = [s for s in self._running if s.request.speculate]
-        # one request alone is one-request decoding, where a self-gating drafter (the hybrid) has no gate on top:
-        # skipping its drafting would skip its suffix lookups too, whose drafts cost no drafting pass
+        # one request alone is one-request decoding, where a self-gating drafter (the hybrid) has no gate on top
+        # (skipping its drafting would skip its suffix lookups too, whose drafts cost no drafting pass) and the
+        # scheduler prices a step by its verify pass alone
         gated = self.gate is not None and not (self.drafter.gates_itself and len(speculating) == 1)
         drafting = self.gate.should_draft([s.drafting for s in speculating]) if gated else True
         t0 = time.perf_counter()
@@ -323,7 +324,7 @@ class ContinuousEngine:
             self.config.scheduler,
             confidences,
             [p.length for p in proposals],
-            self.gate.step_rate(len(speculating) if drafting else 0) if self.gate else self.steps_per_s,
+            self.gate.step_rate(len(speculating) if drafting else 0) if gated else self.steps_per_s,
             self.config.threshold,
         )
         proposals = [p.prefix(n) for p, n in zip(proposals, lengths, strict=True)]
