@@ -34,6 +34,7 @@ from specdecode.engine.scheduler import has_confidences
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.benchmarks import load_benchmark
 from specdecode.evaluation.results import write_results
+from specdecode.machine import ForeignLoad
 from specdecode.models.target import Target
 from specdecode.serving.app import BackgroundServer, create_app
 
@@ -224,7 +225,12 @@ def run_serving_bench(
         return [prompts[(k * requests + i) % len(prompts)] for i in range(requests)]
 
     def load(url: str, k: int, clients: int) -> dict:
-        return asyncio.run(run_level(url, target.name, level_prompts(k), clients, requests, max_tokens, time_limit_s))
+        """Level k's load, and the cores other processes used meanwhile (a shared machine's noise, recorded)."""
+        with ForeignLoad() as foreign:
+            level = asyncio.run(
+                run_level(url, target.name, level_prompts(k), clients, requests, max_tokens, time_limit_s)
+            )
+        return {**level, "foreign_load_cores": round(foreign.cores, 3)}
 
     runs = []
     for repeat in range(repeats):
@@ -306,6 +312,11 @@ def run_serving_bench(
     }
     if repeats > 1:
         rows.append(f"\nMedians of {repeats} interleaved sweeps (every sweep's rows are in the JSON).")
+    foreign = [r["foreign_load_cores"] for r in runs]
+    rows.append(
+        f"\nCores used by other processes during a level: median {statistics.median(foreign):.2f}, "
+        f"max {max(foreign):.2f} (per level in the JSON)."
+    )
     table = "\n".join(rows) + "".join(f"\n\n{label} did not run: {error}" for label, error in skipped.items())
     plot = Path(out) / f"{name}.png"
     plot_serving(medians, plot)
