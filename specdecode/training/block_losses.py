@@ -53,12 +53,21 @@ def block_attention_mask(anchors: torch.Tensor, attention_mask: torch.Tensor, bl
     return torch.cat([sees_context, sees_block], dim=-1)[:, None]
 
 
-def training_losses(model: "DSparkModel", batch: "FeatureBatch", generator: torch.Generator) -> dict[str, torch.Tensor]:
+def training_losses(
+    model: "DSparkModel",
+    batch: "FeatureBatch",
+    generator: torch.Generator,
+    num_anchors: int | None = None,
+    outcomes: bool = False,
+) -> dict:
+    """The losses and metrics of one batch. `num_anchors` overrides the drafter's (at the sequence length every
+    supervised position opens a block); with `outcomes`, `out["outcomes"]` also holds each block's (valid,
+    greedy survival, survival probability at T=1), (B, N, G) each, with the blocks in anchor order."""
     c = model.config
     ids, loss_mask = batch.input_ids, batch.loss_mask & batch.attention_mask
     b, t = ids.shape
     block, g = c.block_size, c.draft_length
-    anchors, anchor_valid = sample_anchors(loss_mask, c.num_anchors, generator)
+    anchors, anchor_valid = sample_anchors(loss_mask, num_anchors or c.num_anchors, generator)
     n = anchors.shape[1]
     block_positions = anchors[:, :, None] + torch.arange(block)  # (B, N, block)
     offsets = torch.arange(g)
@@ -112,6 +121,8 @@ def training_losses(model: "DSparkModel", batch: "FeatureBatch", generator: torc
     draft_argmax = model.to_target(p_draft.detach().argmax(-1))
     alpha = (1 - 0.5 * l1.detach()).clamp(0, 1)
     out.update(acceptance_metrics(valid, draft_argmax == labels, draft_argmax == target_argmax, alpha))
+    if outcomes:
+        out["outcomes"] = (valid, draft_argmax == target_argmax, alpha)
     return out
 
 
