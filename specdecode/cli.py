@@ -139,6 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--seed", type=int, default=0)
     dr.add_argument("--skip", default=None, help="a packed .npz: leave out the conversations it already holds")
 
+    ds = dsub.add_parser(
+        "self-prompts", help="the target writes user turns itself (Magpie); regenerate answers them via --jsonl"
+    )
+    _add_target_args(ds)
+    ds.add_argument("--out", required=True, help="output folder: samples.jsonl (resumable) and prompts.jsonl")
+    ds.add_argument("--attempts", type=int, default=1000, help="user turns sampled (some are dropped)")
+    ds.add_argument("--temperature", type=float, default=1.0)
+    ds.add_argument("--top-p", type=float, default=0.95)
+    ds.add_argument("--max-new-tokens", type=int, default=160, help="a longer turn is cut and dropped")
+    ds.add_argument("--batch-size", type=int, default=64)
+    ds.add_argument("--seed", type=int, default=0)
+
     dp = dsub.add_parser("pack", help="pack a regenerated folder into one checked .npz that train reads")
     _add_target_args(dp)
     dp.add_argument("--data", required=True, help="a regenerated data folder")
@@ -631,9 +643,33 @@ def _write_cache(args) -> None:
     write_feature_cache(target, layer_ids, load_examples(target, args.data, args.max_length), args.out)
 
 
+def _write_self_prompts(args) -> None:
+    from specdecode.sampling import SamplingParams
+    from specdecode.training.self_prompts import SelfPromptSettings, write_self_prompts
+
+    SamplingParams(args.temperature, 0, args.top_p)  # same validation as generation
+    if args.attempts < 1:
+        raise SpecDecodeError(f"--attempts must be >= 1, got {args.attempts}")
+    settings = SelfPromptSettings(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    kept = write_self_prompts(_load_target(args), args.attempts, args.out, settings)
+    _note(
+        f"kept {len(kept)} of {args.attempts} self-written user turns in {args.out}/prompts.jsonl; answer them with "
+        f"specdecode data regenerate --jsonl {args.out}/prompts.jsonl --num-prompts {len(kept)}"
+    )
+
+
 def cmd_data(args) -> None:
     if args.data_command == "cache":
         _write_cache(args)
+        return
+    if args.data_command == "self-prompts":
+        _write_self_prompts(args)
         return
     if args.data_command == "pack":
         from specdecode.training.artifact import pack

@@ -77,6 +77,8 @@ VALIDATION_CASES = [
     (["cost", "--dtype", "nope"], "unknown dtype"),
     (["cost", "--positions", "0"], "positions"),
     (["train", "--drafter", "dspark", "--data", "d", "--out", "o", "--max-conversations", "0"], "max-conversations"),
+    (["data", "self-prompts", "--out", "o", "--attempts", "0"], "attempts"),
+    (["data", "self-prompts", "--out", "o", "--top-p", "0"], "top_p"),
 ]
 
 

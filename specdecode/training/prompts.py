@@ -353,7 +353,7 @@ def contest_prompts(seed: int = 0) -> Iterator[Conversation]:
     for i in range(10**9):
         r = random.Random(f"contest-{seed}-{i}")
         text = " ".join(filter(None, (_contest_problem(r), r.choice(_CLOSINGS))))
-        if text in seen or not _disjoint((text,)):
+        if text in seen or not disjoint_from_evaluation_sets((text,)):
             continue
         seen.add(text)
         yield Conversation(f"contest-{i}", "contest", [text])
@@ -517,10 +517,10 @@ def _codeio_tasks() -> tuple[str, ...]:
             statement,
             f"Write a Python function `main_solution` for this task. {statement}\n\n{r['input_output_spec'].strip()}",
         )
-    return tuple(task for task in tasks.values() if _disjoint((task,)))
+    return tuple(task for task in tasks.values() if disjoint_from_evaluation_sets((task,)))
 
 
-def _disjoint(turns: tuple[str, ...]) -> bool:
+def disjoint_from_evaluation_sets(turns: tuple[str, ...]) -> bool:
     """Whether no turn shares an 8-gram with an evaluation item: pools drawn from outside data sets drop
     the few prompts that do (a CodeI/O task shares "your task is to count the number of" with HumanEval/91)."""
     index = _benchmark_index(EVAL_BENCHMARKS, 8)
@@ -533,7 +533,7 @@ def stub_pool() -> list[Conversation]:
     pool = []
     for module, name, sig, sentence in _stdlib_functions():
         stub = f'def {name}{sig}:\n    """{sentence}\n\n    Written without the `{module}` module.\n    """\n'
-        if _disjoint((stub,)):
+        if disjoint_from_evaluation_sets((stub,)):
             pool.append(Conversation(f"stub-{len(pool)}", "stub", [stub]))
     return pool
 
@@ -565,7 +565,7 @@ def _chat_turns() -> tuple[tuple[str, ...], ...]:
     hotpot = wheel_file(_LONG_CONTEXT, "long_context_eval", "data", "synthetic", "json", "hotpotqa.json")
     for record in json.loads(hotpot.read_text(encoding="utf-8")):  # after the others: their ids never move
         question = (" ".join(record["question"].split()),)
-        if _disjoint(question):
+        if disjoint_from_evaluation_sets(question):
             result.setdefault(question, None)
     return tuple(result)
 
@@ -583,7 +583,10 @@ def load_jsonl_conversations(path: str) -> list[Conversation]:
             turns = user_turns(record)
         except ValueError as exc:
             raise SpecDecodeError(f"{path}: {label}: {exc}; see the formats in docs/data.md") from None
-        conversations.append(Conversation(f"jsonl-{len(conversations)}", "jsonl", turns))
+        # Records may name themselves (`id`, `source`), as `specdecode data self-prompts` writes them.
+        own_id, source = (record.get("id"), record.get("source")) if isinstance(record, dict) else (None, None)
+        conversation_id = own_id if isinstance(own_id, str) and own_id else f"jsonl-{len(conversations)}"
+        conversations.append(Conversation(conversation_id, source if isinstance(source, str) else "jsonl", turns))
     if not conversations:
         raise SpecDecodeError(f"{path} holds no conversations; add one JSON object per line")
     return conversations

@@ -103,7 +103,7 @@ def regenerate(
     ids = [c.id for c in conversations]
     if len(set(ids)) != len(ids):
         raise SpecDecodeError("conversation ids must be unique")
-    _check_settings(out, settings)
+    check_same_settings(out, sampling_settings(settings))
     finished = {r["id"] for r in read_records(out)}
     todo = [(index, c) for index, c in enumerate(conversations) if c.id not in finished]
     params = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
@@ -167,10 +167,9 @@ def sampling_settings(settings: RegenerationSettings) -> dict:
     return mine
 
 
-def _check_settings(out: Path, settings: RegenerationSettings) -> None:
+def check_same_settings(out: Path, mine: dict) -> None:
     """A resumed run must sample like the first one; mixing settings in one data set is refused."""
     path = out / "settings.json"
-    mine = sampling_settings(settings)
     if path.exists():
         theirs = json.loads(path.read_text())
         if theirs != mine:
