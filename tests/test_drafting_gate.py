@@ -20,20 +20,30 @@ def flat(b: int) -> float:
 
 def test_gate_drafts_where_it_pays_and_explores_where_it_does_not():
     paying = DraftingGate(flat, lambda r: 0.001)
-    yields = [DraftYield(kept=2.0, verified=4.0) for _ in range(4)]
-    paying.stepped(True)
-    assert paying.should_draft(yields)  # (4 + 8) tokens for 11 ms against 4 for 10 ms
+    assert paying.choose([DraftYield(kept=2.0, verified=4.0, idle=0) for _ in range(4)]) == [True] * 4
+    # (4 + 8) tokens for 11 ms against 4 for 10 ms
 
     costly = DraftingGate(compute_bound, lambda r: 0.005 * r)
-    costly.stepped(True)
-    low = [DraftYield(kept=0.3, verified=2.0) for _ in range(4)]
-    decisions = []
+    low = [DraftYield(kept=0.3, verified=2.0, idle=0) for _ in range(4)]
+    steps = []
     for _ in range(2 * EXPLORE_EVERY + 2):
-        decisions.append(costly.should_draft(low))
-        costly.stepped(decisions[-1])
-    # 5.2 tokens for 140 ms against 4 for 40 ms: only the exploring steps draft
-    assert decisions.count(True) == 2 and decisions[EXPLORE_EVERY] and decisions[2 * EXPLORE_EVERY + 1]
-    assert not costly.should_draft([])  # nothing to draft for
+        steps.append(costly.choose(low))
+        costly.stepped(low, steps[-1])
+    # 5.2 tokens for 140 ms against 4 for 40 ms: only exploring requests draft, one a step, each in its turn
+    drafted = [[i for i, c in enumerate(step) if c] for step in steps]
+    assert drafted[EXPLORE_EVERY : EXPLORE_EVERY + 4] == [[0], [1], [2], [3]]
+    assert sum(map(len, drafted)) == 5 and drafted[2 * EXPLORE_EVERY + 1] == [0]
+    assert costly.choose([]) == []  # nothing to draft for
+
+
+def test_gate_picks_the_requests_whose_drafts_pay():
+    """Compute-bound passes: the one request that keeps 3 drafts a step pays for its drafting, the others
+    (0.3) would not; 7 tokens for 65 ms beats 4 for 40 ms, and 7.3 for 90 ms does not."""
+    gate = DraftingGate(compute_bound, lambda r: 0.005 * r)
+    yields = [DraftYield(kept=k, verified=2.0, idle=0) for k in (0.3, 0.3, 3.0, 0.3)]
+    assert gate.choose(yields) == [False, False, True, False]
+    yields[1].idle = EXPLORE_EVERY  # a stale request explores besides
+    assert gate.choose(yields) == [False, True, True, False]
 
 
 def test_running_means_follow_the_observed_yield():
@@ -59,7 +69,8 @@ def test_gated_engine_skips_drafting_that_cannot_pay_and_stays_lossless():
     assert [c.token_ids for c in _run(engine, prompts, 40)] == references
     steps = engine.metrics.verify_rows.collect()[0].samples
     passes = next(s.value for s in steps if s.name.endswith("_count"))
-    assert engine.metrics.steps_without_drafting >= passes - 40 // EXPLORE_EVERY - 2
+    # only exploring: each request drafts on its first step and then once in every EXPLORE_EVERY + 1
+    assert engine.metrics.steps_without_drafting >= passes - len(prompts) * (passes // EXPLORE_EVERY + 1)
     assert engine.metrics.steps_without_drafting > 0
 
 

@@ -295,14 +295,16 @@ class ContinuousEngine:
         self._running = [s for s in self._running if not s.finished]
 
     def _step(self) -> None:
-        """Draft for every running request (unless the gate says it will not pay), schedule, one batched
+        """Draft for the running requests the gate picks (every one without a gate), schedule, one batched
         verify pass, commit each request."""
         speculating = [s for s in self._running if s.request.speculate]
         # one request alone is one-request decoding, where a self-gating drafter (the hybrid) has no gate on top
         # (skipping its drafting would skip its suffix lookups too, whose drafts cost no drafting pass) and the
         # scheduler prices a step by its verify pass alone
         gated = self.gate is not None and not (self.drafter.gates_itself and len(speculating) == 1)
-        drafting = self.gate.should_draft([s.drafting for s in speculating]) if gated else True
+        chosen = self.gate.choose([s.drafting for s in speculating]) if gated else [True] * len(speculating)
+        drafts = iter(chosen)
+        drafting = [next(drafts) if s.request.speculate else False for s in self._running]
         t0 = time.perf_counter()
         proposals = self.drafter.propose_batch(  # a limit of 0 drafts nothing and keeps the drafter in step
             [s.drafter for s in self._running],
@@ -310,9 +312,9 @@ class ContinuousEngine:
             # drafts beyond a request's limit would be wasted
             [
                 min(s.drafter.proposal_limit(self.config.draft_length), s.request.max_tokens - s.generated - 1)
-                if s.request.speculate and drafting
+                if wants
                 else 0
-                for s in self._running
+                for s, wants in zip(self._running, drafting, strict=True)
             ],
         )
         draft_s = time.perf_counter() - t0
@@ -324,7 +326,7 @@ class ContinuousEngine:
             self.config.scheduler,
             confidences,
             [p.length for p in proposals],
-            self.gate.step_rate(len(speculating) if drafting else 0) if gated else self.steps_per_s,
+            self.gate.step_rate(sum(drafting)) if gated else self.steps_per_s,
             self.config.threshold,
         )
         proposals = [p.prefix(n) for p, n in zip(proposals, lengths, strict=True)]
@@ -338,15 +340,15 @@ class ContinuousEngine:
         with self.metrics.lock:
             self.metrics.verify_rows.observe(len(rows))
             self.metrics.verify_tokens.observe(sum(1 + p.length for p in proposals))
-        for s, p, row in zip(self._running, proposals, results, strict=True):
+        for s, p, row, wants in zip(self._running, proposals, results, drafting, strict=True):
             s.stats.verify_s += verify_s
-            if self.gate and drafting and s.request.speculate:
+            if self.gate and wants:
                 self.gate.observe(s.drafting, p.length, row.result.num_accepted)
             self._commit(s, p, row.result, row.features)
         if self.gate:
-            self.gate.stepped(drafting)
+            self.gate.stepped([s.drafting for s in speculating], chosen)
             with self.metrics.lock:
-                self.metrics.steps_without_drafting += not drafting
+                self.metrics.steps_without_drafting += not any(drafting)
         self._running = [s for s in self._running if not s.finished]
 
     def _commit(self, s: _Sequence, verified: Proposal, result, features: TargetFeatures) -> None:

@@ -124,7 +124,7 @@ class SpeculativeDecoder:
         request_yield = self.gate.new_request() if self.gate else None
         while len(ids) - len(prompt_ids) < limit:
             room = limit - (len(ids) - len(prompt_ids)) - 1  # drafts beyond the limit would be wasted
-            drafting = self.gate.should_draft([request_yield]) if self.gate else True
+            drafting = self.gate.choose([request_yield])[0] if self.gate else True
             t0 = time.perf_counter()
             proposal = self._propose(ids, room if drafting else 0)
             t1 = time.perf_counter()
@@ -133,7 +133,7 @@ class SpeculativeDecoder:
             if self.gate:
                 if drafting:
                     self.gate.observe(request_yield, proposal.length, result.num_accepted)
-                self.gate.stepped(drafting)
+                self.gate.stepped([request_yield], [drafting])
             stats.record_round(_draft_depth(proposal), result.num_accepted, getattr(proposal, "source", None))
             new = result.tokens[: limit - (len(ids) - len(prompt_ids))]
             hit_eos = next((j for j, t in enumerate(new) if t in eos), None)

@@ -1,20 +1,22 @@
-"""Whether a step of the prefix scheduler should draft at all (the continuous engine and one-request decoding).
+"""Which requests of a step should draft at all (the continuous engine and one-request decoding).
 
 The prefix scheduler chooses how many drafts to verify once they exist, so a step's drafting is paid even
 when it then verifies none. With several requests in a pass the target is compute-bound on a CPU: a verify
 pass over 4 rows x 8 tokens costs several one-token passes, the scheduler rightly verifies few drafts, and
 drafting for every request every step made speculative serving slower than normal decoding. Before
-drafting, the gate predicts both kinds of step from measured costs and each request's recent yield:
+drafting, the gate predicts the step's tokens per second from measured costs and each request's recent
+yield, for the m requests of highest yield drafting and the others not:
 
-    speculative: (R + sum_r kept_r) / (draft_s(R) + verify_s(R + sum_r verified_r))
-    normal:      R / verify_s(R)
+    m drafting:  (R + sum_top-m kept_r) / (draft_s(m) + verify_s(R + sum_top-m verified_r))
+    none:        R / verify_s(R)
 
-tokens per second, where kept_r and verified_r are running means of request r's accepted and verified
-drafts over its steps that drafted (a new request starts from the engine's running mean). The step drafts
-when the first is larger, and after `EXPLORE_EVERY` steps without drafting, so the means stay current.
-Both costs are tables measured once per machine and cached (SPS(B) of the batched pass, and
-`profile_drafting` below), never timed as steps go, so a seeded request decodes the same tokens on every
-rerun of the same batch. Lossless: the choice reads only earlier steps, never this step's drafts.
+where kept_r and verified_r are running means of request r's accepted and verified drafts over its steps
+that drafted (a new request starts from the engine's running mean), and takes the best m. A request that
+has not drafted for `EXPLORE_EVERY` steps drafts once, so its means stay current; one such request a step,
+so the exploring is spread out instead of paid by every request in the same costly step. Both costs are
+tables measured once per machine and cached (SPS(B) of the batched pass, and `profile_drafting` below),
+never timed as steps go, so a seeded request decodes the same tokens on every rerun of the same batch.
+Lossless: the choice reads only earlier steps, never this step's drafts.
 """
 
 import copy
@@ -38,6 +40,7 @@ class DraftYield:
 
     kept: float = 1.0
     verified: float = 1.0
+    idle: int = EXPLORE_EVERY  # steps since it last drafted (a new request is due to explore)
 
     def update(self, verified: int, kept: int) -> None:
         self.kept = DECAY * self.kept + (1 - DECAY) * kept
@@ -56,21 +59,30 @@ class DraftingGate:
     ) -> None:
         self.verify_s, self.draft_s, self.explore_every = verify_s, draft_s, explore_every
         self.engine_yield = DraftYield()
-        self.steps_without = explore_every  # the first step drafts
 
     def new_request(self) -> DraftYield:
-        return DraftYield(self.engine_yield.kept, self.engine_yield.verified)
+        return DraftYield(self.engine_yield.kept, self.engine_yield.verified, idle=self.explore_every)
 
-    def should_draft(self, yields: list[DraftYield]) -> bool:
-        """Whether drafting for these requests (the ones that speculate) is expected to pay this step."""
-        if not yields:
-            return False
-        if self.steps_without >= self.explore_every:
-            return True
+    def choose(self, yields: list[DraftYield]) -> list[bool]:
+        """Which of these requests (the ones that speculate) draft this step."""
         r = len(yields)
-        verified = max(0, round(sum(y.verified for y in yields)))
-        speculative = (r + sum(y.kept for y in yields)) / (self.draft_s(r) + self.verify_s(r + verified))
-        return speculative > r / self.verify_s(r)
+        if not r:
+            return []
+        by_yield = sorted(range(r), key=lambda i: -yields[i].kept)
+        best_m, best_rate = 0, r / self.verify_s(r)
+        kept = verified = 0.0
+        for m, i in enumerate(by_yield, 1):
+            kept, verified = kept + yields[i].kept, verified + yields[i].verified
+            rate = (r + kept) / (self.draft_s(m) + self.verify_s(r + max(0, round(verified))))
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        chosen = [False] * r
+        for i in by_yield[:best_m]:
+            chosen[i] = True
+        stalest = max(range(r), key=lambda i: yields[i].idle)
+        if yields[stalest].idle >= self.explore_every:
+            chosen[stalest] = True
+        return chosen
 
     def step_rate(self, drafted_requests: int) -> Callable[[int], float]:
         """Steps per second of a whole step verifying B tokens, for the prefix scheduler: the step's drafting
@@ -78,8 +90,10 @@ class DraftingGate:
         draft_s = self.draft_s(drafted_requests) if drafted_requests else 0.0
         return lambda b: 1.0 / (draft_s + self.verify_s(b))
 
-    def stepped(self, drafted: bool) -> None:
-        self.steps_without = 0 if drafted else self.steps_without + 1
+    @staticmethod
+    def stepped(yields: list[DraftYield], chosen: list[bool]) -> None:
+        for y, drafted in zip(yields, chosen, strict=True):
+            y.idle = 0 if drafted else y.idle + 1
 
     def observe(self, request_yield: DraftYield, verified: int, kept: int) -> None:
         """After a drafting step: request r had `verified` drafts verified and `kept` of them accepted."""
