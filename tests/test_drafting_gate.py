@@ -24,26 +24,37 @@ def test_gate_drafts_where_it_pays_and_explores_where_it_does_not():
     # (4 + 8) tokens for 11 ms against 4 for 10 ms
 
     costly = DraftingGate(compute_bound, lambda r: 0.005 * r)
-    low = [DraftYield(kept=0.3, verified=2.0, idle=0) for _ in range(4)]
+    low = [DraftYield(kept=0.3, verified=2.0, idle=i) for i in range(4)]
     steps = []
     for _ in range(2 * EXPLORE_EVERY + 2):
         steps.append(costly.choose(low))
         costly.stepped(low, steps[-1])
-    # 5.2 tokens for 140 ms against 4 for 40 ms: only exploring requests draft, one a step, each in its turn
+    # 5.2 tokens for 140 ms against 4 for 40 ms: only stale requests draft, each once in EXPLORE_EVERY + 1
     drafted = [[i for i, c in enumerate(step) if c] for step in steps]
-    assert drafted[EXPLORE_EVERY : EXPLORE_EVERY + 4] == [[0], [1], [2], [3]]
-    assert sum(map(len, drafted)) == 5 and drafted[2 * EXPLORE_EVERY + 1] == [0]
+    assert drafted[EXPLORE_EVERY - 3 : EXPLORE_EVERY + 1] == [[3], [2], [1], [0]]
+    assert drafted[2 * EXPLORE_EVERY - 2 : 2 * EXPLORE_EVERY + 2] == [[3], [2], [1], [0]]
+    assert sum(map(len, drafted)) == 8
+    together = [DraftYield(kept=0.3, verified=2.0, idle=EXPLORE_EVERY) for _ in range(4)]
+    assert costly.choose(together) == [True] * 4  # requests due together explore in one padded pass
     assert costly.choose([]) == []  # nothing to draft for
 
 
 def test_gate_picks_the_requests_whose_drafts_pay():
-    """Compute-bound passes: the one request that keeps 3 drafts a step pays for its drafting, the others
-    (0.3) would not; 7 tokens for 65 ms beats 4 for 40 ms, and 7.3 for 90 ms does not."""
-    gate = DraftingGate(compute_bound, lambda r: 0.005 * r)
-    yields = [DraftYield(kept=k, verified=2.0, idle=0) for k in (0.3, 0.3, 3.0, 0.3)]
+    """A memory-bound pass: drafting costs 1 ms a request, so only the request that keeps a whole draft a step
+    pays for its drafting (5 tokens for 11 ms; all four: 5.9 for 14 ms; none: 4 for 10 ms)."""
+    gate = DraftingGate(flat, lambda r: 0.001 * r)
+    yields = [DraftYield(kept=k, verified=2.0, idle=0) for k in (0.3, 0.3, 1.0, 0.3)]
     assert gate.choose(yields) == [False, False, True, False]
-    yields[1].idle = EXPLORE_EVERY  # a stale request explores besides
-    assert gate.choose(yields) == [False, True, True, False]
+
+
+def test_gate_prices_the_padded_pass():
+    """Compute-bound passes padded to the longest row: one request verifying 2 drafts makes 4 rows of 3
+    positions, so even keeping both it gives 6 tokens for 125 ms against 4 for 40 ms."""
+    gate = DraftingGate(compute_bound, lambda r: 0.005 * r)
+    yields = [DraftYield(kept=k, verified=2.0, idle=0) for k in (0.3, 0.3, 2.0, 0.3)]
+    assert gate.choose(yields) == [False] * 4
+    yields[1].idle = EXPLORE_EVERY  # a stale request explores anyway
+    assert gate.choose(yields) == [False, True, False, False]
 
 
 def test_running_means_follow_the_observed_yield():

@@ -7,13 +7,14 @@ drafting for every request every step made speculative serving slower than norma
 drafting, the gate predicts the step's tokens per second from measured costs and each request's recent
 yield, for the m requests of highest yield drafting and the others not:
 
-    m drafting:  (R + sum_top-m kept_r) / (draft_s(m) + verify_s(R + sum_top-m verified_r))
+    m drafting:  (R + sum_top-m kept_r) / (draft_s(m) + verify_s(R * (1 + max_top-m verified_r)))
     none:        R / verify_s(R)
 
+(the batched pass pads every row to the longest, so it computes R * (1 + the longest verify) positions)
 where kept_r and verified_r are running means of request r's accepted and verified drafts over its steps
 that drafted (a new request starts from the engine's running mean), and takes the best m. A request that
-has not drafted for `EXPLORE_EVERY` steps drafts once, so its means stay current; one such request a step,
-so the exploring is spread out instead of paid by every request in the same costly step. Both costs are
+has not drafted for `EXPLORE_EVERY` steps drafts once, so its means stay current; all such requests in the
+same step, since one exploring request already pads the whole pass. Both costs are
 tables measured once per machine and cached (SPS(B) of the batched pass, and `profile_drafting` below),
 never timed as steps go, so a seeded request decodes the same tokens on every rerun of the same batch.
 Lossless: the choice reads only earlier steps, never this step's drafts.
@@ -70,18 +71,15 @@ class DraftingGate:
             return []
         by_yield = sorted(range(r), key=lambda i: -yields[i].kept)
         best_m, best_rate = 0, r / self.verify_s(r)
-        kept = verified = 0.0
+        kept, longest = 0.0, 0
         for m, i in enumerate(by_yield, 1):
-            kept, verified = kept + yields[i].kept, verified + yields[i].verified
-            rate = (r + kept) / (self.draft_s(m) + self.verify_s(r + max(0, round(verified))))
+            kept, longest = kept + yields[i].kept, max(longest, round(yields[i].verified))
+            rate = (r + kept) / (self.draft_s(m) + self.verify_s(r * (1 + longest)))
             if rate > best_rate:
                 best_m, best_rate = m, rate
-        chosen = [False] * r
+        chosen = [y.idle >= self.explore_every for y in yields]
         for i in by_yield[:best_m]:
             chosen[i] = True
-        stalest = max(range(r), key=lambda i: yields[i].idle)
-        if yields[stalest].idle >= self.explore_every:
-            chosen[stalest] = True
         return chosen
 
     def step_rate(self, drafted_requests: int) -> Callable[[int], float]:
