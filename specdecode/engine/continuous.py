@@ -347,7 +347,7 @@ class ContinuousEngine:
                 self.gate.observe(s.drafting, p.length, row.result.num_accepted)
             self._commit(s, p, row.result, row.features)
         if self.gate:
-            self.gate.stepped([s.drafting for s in speculating], chosen)
+            self.gate.stepped(any(drafting))
             with self.metrics.lock:
                 self.metrics.steps_without_drafting += not any(drafting)
         self._running = [s for s in self._running if not s.finished]

@@ -133,7 +133,7 @@ class SpeculativeDecoder:
             if self.gate:
                 if drafting:
                     self.gate.observe(request_yield, proposal.length, result.num_accepted)
-                self.gate.stepped([request_yield], [drafting])
+                self.gate.stepped(drafting)
             stats.record_round(_draft_depth(proposal), result.num_accepted, getattr(proposal, "source", None))
             new = result.tokens[: limit - (len(ids) - len(prompt_ids))]
             hit_eos = next((j for j, t in enumerate(new) if t in eos), None)

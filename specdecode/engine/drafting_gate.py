@@ -12,9 +12,9 @@ yield, for the m requests of highest yield drafting and the others not:
 
 (the batched pass pads every row to the longest, so it computes R * (1 + the longest verify) positions)
 where kept_r and verified_r are running means of request r's accepted and verified drafts over its steps
-that drafted (a new request starts from the engine's running mean), and takes the best m. A request that
-has not drafted for `EXPLORE_EVERY` steps drafts once, so its means stay current; all such requests in the
-same step, since one exploring request already pads the whole pass. Both costs are
+that drafted (a new request starts from the engine's running mean), and takes the best m. After
+`EXPLORE_EVERY` steps without drafting every request drafts once, so the means stay current: all in the
+same step, since one exploring request alone already pads the whole pass. Both costs are
 tables measured once per machine and cached (SPS(B) of the batched pass, and `profile_drafting` below),
 never timed as steps go, so a seeded request decodes the same tokens on every rerun of the same batch.
 Lossless: the choice reads only earlier steps, never this step's drafts.
@@ -41,7 +41,6 @@ class DraftYield:
 
     kept: float = 1.0
     verified: float = 1.0
-    idle: int = EXPLORE_EVERY  # steps since it last drafted (a new request is due to explore)
 
     def update(self, verified: int, kept: int) -> None:
         self.kept = DECAY * self.kept + (1 - DECAY) * kept
@@ -60,15 +59,18 @@ class DraftingGate:
     ) -> None:
         self.verify_s, self.draft_s, self.explore_every = verify_s, draft_s, explore_every
         self.engine_yield = DraftYield()
+        self.steps_without = explore_every  # the first step drafts
 
     def new_request(self) -> DraftYield:
-        return DraftYield(self.engine_yield.kept, self.engine_yield.verified, idle=self.explore_every)
+        return DraftYield(self.engine_yield.kept, self.engine_yield.verified)
 
     def choose(self, yields: list[DraftYield]) -> list[bool]:
         """Which of these requests (the ones that speculate) draft this step."""
         r = len(yields)
         if not r:
             return []
+        if self.steps_without >= self.explore_every:
+            return [True] * r
         by_yield = sorted(range(r), key=lambda i: -yields[i].kept)
         best_m, best_rate = 0, r / self.verify_s(r)
         kept, longest = 0.0, 0
@@ -77,7 +79,7 @@ class DraftingGate:
             rate = (r + kept) / (self.draft_s(m) + self.verify_s(r * (1 + longest)))
             if rate > best_rate:
                 best_m, best_rate = m, rate
-        chosen = [y.idle >= self.explore_every for y in yields]
+        chosen = [False] * r
         for i in by_yield[:best_m]:
             chosen[i] = True
         return chosen
@@ -88,10 +90,9 @@ class DraftingGate:
         draft_s = self.draft_s(drafted_requests) if drafted_requests else 0.0
         return lambda b: 1.0 / (draft_s + self.verify_s(b))
 
-    @staticmethod
-    def stepped(yields: list[DraftYield], chosen: list[bool]) -> None:
-        for y, drafted in zip(yields, chosen, strict=True):
-            y.idle = 0 if drafted else y.idle + 1
+    def stepped(self, drafted: bool) -> None:
+        """After a step: whether any request drafted in it."""
+        self.steps_without = 0 if drafted else self.steps_without + 1
 
     def observe(self, request_yield: DraftYield, verified: int, kept: int) -> None:
         """After a drafting step: request r had `verified` drafts verified and `kept` of them accepted."""
