@@ -643,6 +643,13 @@ def _write_cache(args) -> None:
     write_feature_cache(target, layer_ids, load_examples(target, args.data, args.max_length), args.out)
 
 
+def _settings_from_args(cls: type, args):
+    """A settings dataclass filled from the same-named command-line options (the others keep their defaults)."""
+    import dataclasses
+
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
 def _write_self_prompts(args) -> None:
     from specdecode.sampling import SamplingParams
     from specdecode.training.self_prompts import SelfPromptSettings, write_self_prompts
@@ -650,13 +657,7 @@ def _write_self_prompts(args) -> None:
     SamplingParams(args.temperature, 0, args.top_p)  # same validation as generation
     if args.attempts < 1:
         raise SpecDecodeError(f"--attempts must be >= 1, got {args.attempts}")
-    settings = SelfPromptSettings(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        seed=args.seed,
-    )
+    settings = _settings_from_args(SelfPromptSettings, args)
     kept = write_self_prompts(_load_target(args), args.attempts, args.out, settings)
     _note(
         f"kept {len(kept)} of {args.attempts} self-written user turns in {args.out}/prompts.jsonl; answer them with "
@@ -687,14 +688,7 @@ def cmd_data(args) -> None:
     from specdecode.training.regenerate import RegenerationSettings, regenerate, sampling_settings
 
     SamplingParams(args.temperature, args.top_k, args.top_p)  # same validation as generation
-    settings = RegenerationSettings(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        seed=args.seed,
-    )
+    settings = _settings_from_args(RegenerationSettings, args)
     conversations = build_prompt_mix(args.num_prompts, seed=args.seed, mix=_mix(args.mix), extra_jsonl=args.jsonl)
     check_disjoint(conversations)  # refuses training prompts that overlap an evaluation set
     target = _load_target(args)
