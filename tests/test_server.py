@@ -18,7 +18,8 @@ from specdecode.drafters.base import Drafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
 from specdecode.engine.decode import SpeculativeDecoder
-from specdecode.evaluation.serving_bench import percentile, summarize
+from specdecode.errors import SpecDecodeError
+from specdecode.evaluation.serving_bench import VllmServer, percentile, summarize
 from specdecode.sampling import SamplingParams
 from specdecode.serving.app import BackgroundServer, create_app
 from specdecode.serving.protocol import SUPPORTED
@@ -316,3 +317,11 @@ def test_openapi_documents_both_endpoints_and_responses_match_it(server):
     CompletionResponse.model_validate_json(_raw(server, "POST", "/v1/completions", body)[1])
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     ChatCompletionResponse.model_validate_json(_raw(server, "POST", "/v1/chat/completions", body)[1])
+
+
+def test_a_vllm_server_that_cannot_start_says_why(tmp_path):
+    """The serving bench's vLLM peer: a server that exits at start-up is reported with its own last words
+    (here: this venv has no vLLM), not only its command line."""
+    server = VllmServer(sys.executable, str(tmp_path), "m", 1024, "none")
+    with pytest.raises(SpecDecodeError, match="No module named 'vllm'"):
+        server.start()

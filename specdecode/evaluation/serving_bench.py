@@ -23,6 +23,7 @@ import os
 import socket
 import statistics
 import subprocess
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -174,11 +175,17 @@ class VllmServer:
     def start(self) -> None:
         """Launch the server and wait until it answers /health; the context manager stops it."""
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
-        self.process = subprocess.Popen(self.command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # its own output goes to a file, so a failed start says why
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log", delete=False)
+        self.process = subprocess.Popen(self.command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise SpecDecodeError(f"vLLM's server exited during start-up: {' '.join(self.command)}")
+                tail = Path(self.log.name).read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+                raise SpecDecodeError(
+                    f"vLLM's server exited during start-up ({tail[0][-300:]}; whole log: {self.log.name}): "
+                    f"{' '.join(self.command)}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as reply:
                     if reply.status == 200:
