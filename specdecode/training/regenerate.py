@@ -16,6 +16,7 @@ import queue
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TextIO
 
 from tqdm import tqdm
 
@@ -56,16 +57,27 @@ class RegenerationReport:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
-def read_records(out_dir: str | Path) -> list[dict]:
-    """Every complete record in the shards; a torn last line (a crash mid-write) is ignored."""
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every complete record of one JSONL file; a torn last line (a crash mid-write) is ignored."""
     records = []
-    for shard in sorted(Path(out_dir).glob(SHARD_GLOB)):
-        for line in shard.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
     return records
+
+
+def append_synced(file: TextIO, record: dict) -> None:
+    """Append one record as a JSONL line and make it durable at once: a kill loses no finished work."""
+    file.write(json.dumps(record, ensure_ascii=False) + "\n")
+    file.flush()
+    os.fsync(file.fileno())
+
+
+def read_records(out_dir: str | Path) -> list[dict]:
+    """Every complete record in the shards."""
+    return [record for shard in sorted(Path(out_dir).glob(SHARD_GLOB)) for record in read_jsonl(shard)]
 
 
 class _ShardWriter:
@@ -82,11 +94,9 @@ class _ShardWriter:
         if self.file is None or self.count == self.shard_size:
             if self.file:
                 self.file.close()
-            self.file = open(self.out_dir / f"shard-{self.index:05d}.jsonl", "a")
+            self.file = open(self.out_dir / f"shard-{self.index:05d}.jsonl", "a", encoding="utf-8")
             self.index, self.count = self.index + 1, 0
-        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        append_synced(self.file, record)
         self.count += 1
 
     def close(self) -> None:
@@ -159,12 +169,13 @@ def regenerate(
     return RegenerationReport(len(conversations), len(conversations) - len(todo), new_tokens, seconds)
 
 
-def sampling_settings(settings: RegenerationSettings) -> dict:
-    """What decides the tokens written (batching and sharding change only throughput and files)."""
-    mine = asdict(settings)
-    mine.pop("batch_size")
-    mine.pop("shard_size")
-    return mine
+_THROUGHPUT_ONLY = ("batch_size", "shard_size")
+
+
+def sampling_settings(settings: object) -> dict:
+    """What decides the tokens a settings dataclass writes (batching and sharding change only throughput and
+    files)."""
+    return {k: v for k, v in asdict(settings).items() if k not in _THROUGHPUT_ONLY}
 
 
 def check_same_settings(out: Path, mine: dict) -> None:

@@ -12,10 +12,9 @@ at least a few words, de-duplicated, and disjoint from every evaluation set by t
 """
 
 import json
-import os
 import queue
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -26,7 +25,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 from specdecode.training.prompts import disjoint_from_evaluation_sets
-from specdecode.training.regenerate import check_same_settings
+from specdecode.training.regenerate import append_synced, check_same_settings, read_jsonl, sampling_settings
 from specdecode.training.trainer import derived_seed
 
 _SENTINEL = "\u2063SPECDECODE_USER_TURN\u2063"
@@ -56,18 +55,6 @@ def user_turn_opening(target: Target) -> list[int]:
     return tokenizer.encode(text[: text.index(_SENTINEL)], add_special_tokens=False)
 
 
-def _read_samples(path: Path) -> dict[int, dict]:
-    samples = {}
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a torn last line from a kill mid-write
-                continue
-            samples[record["attempt"]] = record
-    return samples
-
-
 def kept_prompts(samples: list[dict]) -> list[dict]:
     """Usable user turns in attempt order: finished, long enough, first of their text, disjoint from eval sets."""
     seen: set[str] = set()
@@ -87,9 +74,9 @@ def write_self_prompts(target: Target, attempts: int, out_dir: str, settings: Se
     """Sample `attempts` user turns (resuming those already in `out_dir`) and write the kept ones."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    check_same_settings(out, {k: v for k, v in asdict(settings).items() if k != "batch_size"})
+    check_same_settings(out, sampling_settings(settings))
     samples_path = out / "samples.jsonl"
-    samples = _read_samples(samples_path)
+    samples = {r["attempt"]: r for r in read_jsonl(samples_path)} if samples_path.exists() else {}
     todo = [i for i in range(attempts) if i not in samples]
     opening = user_turn_opening(target)
     params = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
@@ -114,9 +101,7 @@ def write_self_prompts(target: Target, attempts: int, out_dir: str, settings: Se
                 if isinstance(outcome, Exception):
                     raise outcome
                 record = {"attempt": attempt, "text": outcome.text, "finish_reason": outcome.finish_reason}
-                file.write(json.dumps(record, ensure_ascii=False) + "\n")
-                file.flush()
-                os.fsync(file.fileno())
+                append_synced(file, record)
                 samples[attempt] = record
                 new_tokens += len(outcome.token_ids)
                 bar.update(1)
