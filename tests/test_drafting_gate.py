@@ -31,8 +31,7 @@ def test_gate_drafts_where_it_pays_and_explores_where_it_does_not():
     for _ in range(2 * EXPLORE_EVERY + 2):
         steps.append(costly.choose(low))
         costly.stepped(any(steps[-1]))
-    # 5.2 tokens for 140 ms against 4 for 40 ms: only the exploring steps draft, every request at once (one
-    # exploring request alone would pad the pass as much)
+    # 5.2 tokens for 140 ms against 4 for 40 ms: only the exploring steps draft, every request at once
     drafting = [i for i, step in enumerate(steps) if any(step)]
     assert drafting == [EXPLORE_EVERY, 2 * EXPLORE_EVERY + 1]
     assert all(steps[i] == [True] * 4 for i in drafting)
@@ -48,13 +47,13 @@ def test_gate_picks_the_requests_whose_drafts_pay():
     assert gate.choose(yields) == [False, False, True, False]
 
 
-def test_gate_prices_the_padded_pass():
-    """Compute-bound passes padded to the longest row: one request verifying 2 drafts makes 4 rows of 3
-    positions, so even keeping both it gives 6 tokens for 125 ms against 4 for 40 ms."""
-    gate = DraftingGate(compute_bound, lambda r: 0.005 * r)
+def test_gate_prices_the_pass_by_its_tokens():
+    """A pass of 10 ms plus 5 ms a token (the rows' tokens packed): the request keeping both of its 2 drafts
+    pays for them (6 tokens for 41 ms against 4 for 30 ms), and one keeping 0.3 of 2 would not (6.3 for 52 ms)."""
+    gate = DraftingGate(lambda b: 0.01 + 0.005 * b, lambda r: 0.001 * r)
     gate.stepped(True)
     yields = [DraftYield(kept=k, verified=2.0) for k in (0.3, 0.3, 2.0, 0.3)]
-    assert gate.choose(yields) == [False] * 4
+    assert gate.choose(yields) == [False, False, True, False]
 
 
 def test_running_means_follow_the_observed_yield():

@@ -33,14 +33,6 @@ def test_admission_follows_decreasing_survival_across_requests():
     assert schedule_prefix(survivals, sps) == [2, 1]
 
 
-def test_a_padded_pass_verifies_drafts_that_do_not_lengthen_it_for_free():
-    # rows padded to the longest: once request 0 verifies 2 drafts, request 1's second costs nothing more
-    sps = table({b: 1.0 / (1 + 0.1 * (b - 2)) for b in range(2, 10)})
-    survivals = [torch.tensor([0.9, 0.8]), torch.tensor([0.5, 0.3])]
-    assert schedule_prefix(survivals, sps) == [2, 1]
-    assert schedule_prefix(survivals, sps, padded=True) == [2, 2]
-
-
 def test_expensive_pass_verifies_nothing():
     assert schedule_prefix([torch.tensor([0.8, 0.6])], table({1: 1.0, 2: 0.5, 3: 0.45})) == [0]
 

@@ -11,9 +11,11 @@ paged cache:
 Paging would fit more short requests into the same memory, at the price of a gather or a custom kernel in
 every layer; for a small target on a CPU the plain layout is enough.
 
-Rows are padded to the longest row's Q tokens. Row r's query i sits at position len_r + i and sees its
-slot's entries 0 .. len_r + i (a boolean 4-D mask); a padded query therefore sees at least one finite
-entry, so no softmax row is empty and no NaN appears, and its keys and values are never written.
+Row r's query i sits at position len_r + i and sees its slot's entries 0 .. len_r + i. The linears run on
+the rows' real tokens packed, so a pass costs what its number of tokens costs, however unequal its rows;
+attention alone sees the rows padded to the longest row's Q tokens, where a padded query attends nothing
+(C++ kernel) or its row's first entries (SDPA's boolean mask: no empty softmax row, no NaN), its keys and
+values are never written and its outputs are zero.
 """
 
 from dataclasses import dataclass
@@ -80,7 +82,7 @@ class BatchedTarget:
     # ---------------------------------------------------------------- the pass
     def forward(self, slots: list[int], rows: list[torch.Tensor], logits: bool = True) -> Output:
         """Append `rows[r]` (n_r new tokens) to slot `slots[r]` in one target pass; outputs are (R, Q, ...)
-        with Q = max n_r, and row r's outputs past n_r are padding."""
+        with Q = max n_r, and row r's outputs past n_r are zero padding."""
         if len(slots) != len(rows) or not rows or len(set(slots)) != len(slots):
             raise SpecDecodeError("a batched pass needs one row per distinct slot, and at least one row")
         counts = [len(row) for row in rows]

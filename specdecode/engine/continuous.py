@@ -328,7 +328,6 @@ class ContinuousEngine:
             [p.length for p in proposals],
             self.gate.step_rate(sum(drafting)) if gated else self.steps_per_s,
             self.config.threshold,
-            padded=True,
         )
         proposals = [p.prefix(n) for p, n in zip(proposals, lengths, strict=True)]
         rows = [

@@ -7,14 +7,14 @@ drafting for every request every step made speculative serving slower than norma
 drafting, the gate predicts the step's tokens per second from measured costs and each request's recent
 yield, for the m requests of highest yield drafting and the others not:
 
-    m drafting:  (R + sum_top-m kept_r) / (draft_s(m) + verify_s(R * (1 + max_top-m verified_r)))
+    m drafting:  (R + sum_top-m kept_r) / (draft_s(m) + verify_s(R + sum_top-m verified_r))
     none:        R / verify_s(R)
 
-(the batched pass pads every row to the longest, so it computes R * (1 + the longest verify) positions)
-where kept_r and verified_r are running means of request r's accepted and verified drafts over its steps
-that drafted (a new request starts from the engine's running mean), and takes the best m. After
-`EXPLORE_EVERY` steps without drafting every request drafts once, so the means stay current: all in the
-same step, since one exploring request alone already pads the whole pass. Both costs are
+(the batched pass runs its linears on the rows' tokens packed, so it costs what their number costs) where
+kept_r and verified_r are running means of request r's accepted and verified drafts over its steps that
+drafted (a new request starts from the engine's running mean), and takes the best m. After `EXPLORE_EVERY`
+steps without drafting every request drafts once, so the means stay current: all in the same step, since
+drafting is one batched call whose cost grows far slower than its number of requests. Both costs are
 tables measured once per machine and cached (SPS(B) of the batched pass, and `profile_drafting` below),
 never timed as steps go, so a seeded request decodes the same tokens on every rerun of the same batch.
 Lossless: the choice reads only earlier steps, never this step's drafts.
@@ -73,10 +73,10 @@ class DraftingGate:
             return [True] * r
         by_yield = sorted(range(r), key=lambda i: -yields[i].kept)
         best_m, best_rate = 0, r / self.verify_s(r)
-        kept, longest = 0.0, 0
+        kept, verified = 0.0, 0
         for m, i in enumerate(by_yield, 1):
-            kept, longest = kept + yields[i].kept, max(longest, round(yields[i].verified))
-            rate = (r + kept) / (self.draft_s(m) + self.verify_s(r * (1 + longest)))
+            kept, verified = kept + yields[i].kept, verified + round(yields[i].verified)
+            rate = (r + kept) / (self.draft_s(m) + self.verify_s(r + verified))
             if rate > best_rate:
                 best_m, best_rate = m, rate
         chosen = [False] * r

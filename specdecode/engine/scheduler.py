@@ -10,10 +10,6 @@ Algorithm 1 admits (request, position) pairs by decreasing a and stops at the *f
 raise Theta. The early stop is what keeps sampling exact: c_{k+1} depends on the sampled x_k (through the
 Markov head), so a search that looks past a non-improving pair lets x_k decide whether x_k itself is
 verified (the paper's Appendix A, reproduced in tests/test_scheduler.py).
-
-Our batched pass pads every row to the longest (R rows of 1 + max_r l_r positions), so with `padded` the
-pass's B is R * (1 + max_r l_r): a draft that does not lengthen the longest row costs nothing more, and
-one that does costs a position in every row.
 """
 
 from collections.abc import Callable, Sequence
@@ -43,7 +39,6 @@ def schedule_prefix(
     survivals: Sequence[torch.Tensor],
     steps_per_s: Callable[[int], float],
     early_stop: bool = True,
-    padded: bool = False,
 ) -> list[int]:
     """Algorithm 1: verify lengths l_r maximising tau * SPS(B), admitting pairs by decreasing survival.
 
@@ -56,12 +51,11 @@ def schedule_prefix(
         key=lambda pair: -pair[0],
     )
     lengths, best_lengths = [0] * num_requests, [0] * num_requests
-    tokens, expected, longest = num_requests, float(num_requests), 0
+    tokens, expected = num_requests, float(num_requests)
     best = expected * steps_per_s(tokens)
     for survival, r, j in pairs:
         lengths[r] = j
-        longest = max(longest, j)
-        tokens = num_requests * (1 + longest) if padded else tokens + 1
+        tokens += 1
         expected += survival
         throughput = expected * steps_per_s(tokens)
         if throughput > best:
@@ -86,10 +80,8 @@ def schedule(
     proposed: Sequence[int],
     steps_per_s: Callable[[int], float] | None = None,
     threshold: float = 0.5,
-    padded: bool = False,
 ) -> list[int]:
-    """Verify lengths for a batch under `mode`; drafts without confidences are verified in full; `padded`: the
-    batch's rows are verified in one pass padded to the longest."""
+    """Verify lengths for a batch under `mode`; drafts without confidences are verified in full."""
     if mode == "fixed":
         return list(proposed)
     if any(c is None for c in confidences):
@@ -99,5 +91,5 @@ def schedule(
     if mode == "prefix":
         if steps_per_s is None:
             raise SpecDecodeError("the prefix scheduler needs this machine's SPS(B) table")
-        return schedule_prefix([prefix_survival(c) for c in confidences], steps_per_s, padded=padded)
+        return schedule_prefix([prefix_survival(c) for c in confidences], steps_per_s)
     raise SpecDecodeError(f"unknown scheduler mode '{mode}'; choose one of {', '.join(SCHEDULER_MODES)}")

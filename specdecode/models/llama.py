@@ -126,6 +126,19 @@ class Rows:
         self.write_slot = self.slot_index[:, None].expand(R, Q)[real]
         self.write_entry = (torch.tensor(self.starts)[:, None] + torch.arange(Q))[real]
 
+    def pack(self, values: torch.Tensor) -> torch.Tensor:
+        """(R, Q, ...) per query -> (N, ...) for the N real queries, row after row."""
+        return values.flatten(0, 1) if self.real is None else values[self.real]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """(N, ...) for the real queries -> (R, Q, ...), padded queries zero."""
+        R, Q = self.positions.shape
+        if self.real is None:
+            return packed.view(R, Q, *packed.shape[1:])
+        padded = packed.new_zeros(R, Q, *packed.shape[1:])
+        padded[self.real] = packed
+        return padded
+
     def grouped_limits(self, group: int) -> torch.Tensor:
         """`limits` for `group` query heads per kv head, query (g, i) seeing what position i sees; built once
         per pass, not once per layer."""
@@ -167,12 +180,14 @@ class Rows:
 
     @classmethod
     def batch(cls, slots: list[int], starts: list[int], counts: list[int]) -> "Rows":
-        """Several requests, row r's tokens after its own `starts[r]` cached ones, padded to the longest row."""
+        """Several requests, row r's tokens after its own `starts[r]` cached ones, padded to the longest row (a
+        padded query's limit is 0: the C++ attention skips it)."""
         width = max(counts)
         positions = torch.tensor(starts)[:, None] + torch.arange(width)
         kv_length = max(s + c for s, c in zip(starts, counts, strict=True))
         mask = torch.arange(kv_length)[None, None] <= positions[:, :, None]
-        return cls(list(slots), list(starts), list(counts), positions, mask[:, None], kv_length, positions + 1)
+        limits = (positions + 1) * (torch.arange(width)[None] < torch.tensor(counts)[:, None])
+        return cls(list(slots), list(starts), list(counts), positions, mask[:, None], kv_length, limits)
 
 
 def _tree_paths(start: int, positions: torch.Tensor, mask: torch.Tensor) -> tuple:
@@ -317,14 +332,13 @@ class LlamaRunner:
         return F.rms_norm(x, x.shape[-1:], weight, self.eps)
 
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of q and k heads (R, Q, heads, D) at angles (R, Q, D)."""
+        """Rotary embedding of the q and k heads (N, heads, D) of N tokens at angles (N, D)."""
         if self.fused:
-            R, Q, heads, D = qk.shape  # a view of the qkv rows: rotated where they are
-            torch.ops.specdecode.rotate_(qk.view(R * Q, heads, D), heads, cos.view(R * Q, D), sin.view(R * Q, D))
+            torch.ops.specdecode.rotate_(qk, qk.shape[1], cos, sin)  # a view of the qkv rows: rotated in place
             return qk
         half = qk.shape[-1] // 2
         rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
-        return qk * cos[:, :, None] + rotated * sin[:, :, None]
+        return qk * cos[:, None] + rotated * sin[:, None]
 
     def _attend(self, layer: int, q, k, v, cache: KVCache | None, rows: Rows | None, attention: dict) -> torch.Tensor:
         """Store k, v in the cache and attend (R, heads, Q, D): in place over each row's slot with the C++
@@ -354,35 +368,41 @@ class LlamaRunner:
         logits: bool = True,
     ) -> Output:
         """One pass over `ids` (R, Q). With no cache, a plain causal pass over whole sequences (training
-        features): row r is one sequence, nothing is stored."""
+        features): row r is one sequence, nothing is stored.
+
+        Every layer but attention runs on the rows' real tokens packed (N of them, row after row): a batch's
+        short rows cost the linears nothing for the longest one's length (8 requests, one verifying 7 drafts:
+        15 tokens through every linear, not 64); attention alone sees the rows padded to Q."""
         R, Q = ids.shape
-        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        H, KV = self.heads, self.kv_heads
         device = self.embedding.device
         ids = ids.to(device)
         rows = rows if rows is None or device.type == "cpu" else rows.to(device)
         positions = torch.arange(Q, device=device)[None].expand(R, Q) if rows is None else rows.positions
         if (Q if rows is None else rows.kv_length) > len(self.cos):
             self._rope_table(2 * (Q if rows is None else rows.kv_length))
-        cos, sin = self.cos[positions], self.sin[positions]  # (R, Q, D)
-        attention = dict(is_causal=True) if rows is None else dict(attn_mask=rows.mask)
+        pack = (lambda t: t.flatten(0, 1)) if rows is None else rows.pack
+        unpack = (lambda t: t.view(R, Q, *t.shape[1:])) if rows is None else rows.unpack
+        cos, sin = pack(self.cos[positions]), pack(self.sin[positions])  # (N, D)
         captured = {}
         x = F.embedding(ids, self.embedding).to(self.dtype)
         if -1 in capture:
             captured[-1] = x.clone()
-        if self._layers_in_cpp(cache, rows, R * Q):
+        x = pack(x)  # (N, hidden): the residual stream, updated in place
+        if self._layers_in_cpp(cache, rows, x.shape[0]):
             layer_ids = sorted({i for i in capture if i >= 0})
             delta, *outputs = torch.ops.specdecode.decoder_layers(
-                x.view(R * Q, -1), self.layer_weights, cache.keys, cache.values, cos.view(R * Q, D),
-                sin.view(R * Q, D), rows.slot_index, rows.starts, rows.counts, rows.grouped_limits(H // KV),
-                rows.grouped_paths(H // KV), H, KV, False, self.eps, layer_ids,
+                x, self.layer_weights, cache.keys, cache.values, cos, sin, rows.slot_index, rows.starts,
+                rows.counts, rows.grouped_limits(H // KV), rows.grouped_paths(H // KV), H, KV, False, self.eps,
+                layer_ids,
             )  # fmt: skip
-            captured.update((i, out.view(R, Q, -1)) for i, out in zip(layer_ids, outputs, strict=True))
-            delta = delta.view(R, Q, -1)
+            captured.update((i, unpack(out)) for i, out in zip(layer_ids, outputs, strict=True))
         else:
-            delta = self._layers(x, cos, sin, cache, rows, attention, capture, captured)
+            delta = self._layers(x, cos, sin, cache, rows, (pack, unpack), capture, captured)
         last = self._norm(x, delta, self.norm)
+        head = unpack(self.lm_head(last)) if logits else None
         layer_hidden = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        return Output(self.lm_head(last) if logits else None, layer_hidden, last)
+        return Output(head, layer_hidden, unpack(last))
 
     def _layers_in_cpp(self, cache: KVCache | None, rows: Rows | None, tokens: int) -> bool:
         """Whether the C++ layer loop runs this pass: a causal or tree pass (`limits`) through a CPU cache whose
@@ -395,26 +415,28 @@ class LlamaRunner:
             and self.layers[0].qkv.plan.get(bucket(tokens)) == "few-rows"
         )
 
-    def _layers(self, x, cos, sin, cache, rows, attention, capture, captured) -> torch.Tensor:
+    def _layers(self, x, cos, sin, cache, rows, packing, capture, captured) -> torch.Tensor:
         """The decoder layers in Python, for every pass (a reference for the C++ loop, which must match it bit
-        for bit): x, the residual stream, is updated in place; returns the last layer's output."""
-        R, Q, _ = x.shape
+        for bit): x (N, hidden), the packed residual stream, is updated in place; `packing` (pack, unpack) moves
+        tokens between N packed and the rows (R, Q, ...) that attention sees; returns the last layer's output."""
+        N = x.shape[0]
+        pack, unpack = packing
         H, KV, D = self.heads, self.kv_heads, self.head_dim
+        attention = dict(is_causal=True) if rows is None else dict(attn_mask=rows.mask)
         delta = None  # a block's output, added to the residual stream x by the next norm
         for i, layer in enumerate(self.layers):
             h = self._norm(x, delta, layer.input_norm)
             qkv = layer.qkv(h)
-            qk = qkv[..., : (H + KV) * D].view(R, Q, H + KV, D)
-            v = qkv[..., (H + KV) * D :].view(R, Q, KV, D).transpose(1, 2)
+            qk = qkv[:, : (H + KV) * D].view(N, H + KV, D)
             if layer.q_norm is not None:
-                q_normed = F.rms_norm(qk[:, :, :H], (D,), layer.q_norm, self.eps)
-                qk = torch.cat([q_normed, F.rms_norm(qk[:, :, H:], (D,), layer.k_norm, self.eps)], dim=2)
-            qk = self._rotate(qk, cos, sin).transpose(1, 2)  # (R, H + KV, Q, D)
-            q, k = qk[:, :H], qk[:, H:]
-            out = self._attend(i, q, k, v, cache, rows, attention)
-            h = self._norm(x, layer.o(out.transpose(1, 2).reshape(R, Q, H * D)), layer.post_norm)
+                q_normed = F.rms_norm(qk[:, :H], (D,), layer.q_norm, self.eps)
+                qk = torch.cat([q_normed, F.rms_norm(qk[:, H:], (D,), layer.k_norm, self.eps)], dim=1)
+            qk = unpack(self._rotate(qk, cos, sin)).transpose(1, 2)  # (R, H + KV, Q, D)
+            v = unpack(qkv[:, (H + KV) * D :].view(N, KV, D)).transpose(1, 2)
+            out = self._attend(i, qk[:, :H], qk[:, H:], v, cache, rows, attention).transpose(1, 2)
+            h = self._norm(x, layer.o(pack(out).reshape(N, H * D)), layer.post_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             delta = layer.down(F.silu(gate) * up)
             if i in capture:
-                captured[i] = x + delta
+                captured[i] = unpack(x + delta)
         return delta

@@ -45,19 +45,20 @@ void norm_heads_(torch::Tensor& qkv, int64_t first, int64_t count, int64_t D, co
     }
 }
 
-// Copies, for every real query (row r, position i < counts[r]), its kv heads' keys and values from the qkv
-// rows into cache entry starts[r] + i of slot slots[r]; a bfloat16 cache takes them rounded to nearest even,
-// as a tensor copy rounds them in the Python loop.
+// Copies, for every query (row r, position i < counts[r], packed at first[r] + i), its kv heads' keys and
+// values from the qkv rows into cache entry starts[r] + i of slot slots[r]; a bfloat16 cache takes them
+// rounded to nearest even, as a tensor copy rounds them in the Python loop.
 template <typename Entry>
 void write_cache(const torch::Tensor& qkv, torch::Tensor keys, torch::Tensor values, const int64_t* slots,
-                 c10::IntArrayRef starts, c10::IntArrayRef counts, int64_t Q, int64_t H, int64_t KV, int64_t D) {
+                 c10::IntArrayRef starts, c10::IntArrayRef counts, const std::vector<int64_t>& first, int64_t H,
+                 int64_t KV, int64_t D) {
   const float* src = qkv.data_ptr<float>();
   const int64_t width = qkv.size(1);
   Entry *kp = keys.data_ptr<Entry>(), *vp = values.data_ptr<Entry>();
   const int64_t slot_stride = keys.stride(0), head_stride = keys.stride(1);
   for (int64_t r = 0; r < static_cast<int64_t>(counts.size()); ++r)
     for (int64_t i = 0; i < counts[r]; ++i) {
-      const float* row = src + (r * Q + i) * width;
+      const float* row = src + (first[r] + i) * width;
       for (int64_t h = 0; h < KV; ++h) {
         const int64_t at = slots[r] * slot_stride + h * head_stride + (starts[r] + i) * D;
         std::copy(row + (H + h) * D, row + (H + h + 1) * D, kp + at);
@@ -68,11 +69,13 @@ void write_cache(const torch::Tensor& qkv, torch::Tensor keys, torch::Tensor val
 
 }  // namespace
 
-// x (R * Q, hidden): the residual stream after the embedding, updated in place. weights: six per layer (see
-// kWeightsPerLayer), eight with head_norms. keys, values (layers, slots, KV, capacity, D). cos, sin (R * Q, D).
-// limits (R, group * Q) and, for a tree, paths (R, group * Q, width): what query (g, i) of row r sees, as the
-// grouped queries of cached_attention. Returns the last layer's output (to be added by the final norm), then
-// x + output of each layer in `capture`, in that order.
+// x (N, hidden): the residual stream after the embedding, updated in place, the rows' tokens packed (row r's
+// counts[r] tokens after the rows before it; N = the sum of counts, so the linears never run on padding).
+// weights: six per layer (see kWeightsPerLayer), eight with head_norms. keys, values (layers, slots, KV,
+// capacity, D). cos, sin (N, D). limits (R, group * Q) and, for a tree, paths (R, group * Q, width): what query
+// (g, i) of row r sees, as the grouped queries of cached_attention, Q the longest row (attention alone runs on
+// rows padded to Q). Returns the last layer's output (to be added by the final norm), then x + output of each
+// layer in `capture`, in that order.
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor keys,
                                           torch::Tensor values, torch::Tensor cos, torch::Tensor sin,
                                           torch::Tensor slots, c10::IntArrayRef starts, c10::IntArrayRef counts,
@@ -86,15 +89,21 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
   TORCH_CHECK(keys.size(0) == layers && (bf16_cache || keys.scalar_type() == at::kFloat) &&
                   values.scalar_type() == keys.scalar_type() && keys.is_contiguous() && values.is_contiguous(),
               "decoder_layers: a contiguous float32 or bfloat16 cache with one entry per layer");
-  const int64_t R = static_cast<int64_t>(counts.size()), M = x.size(0), Q = M / R;
-  const int64_t H = heads, KV = kv_heads, D = keys.size(4), group = H / KV;
-  TORCH_CHECK(R == slots.size(0) && R * Q == M && static_cast<int64_t>(starts.size()) == R, "decoder_layers: rows");
+  const int64_t R = static_cast<int64_t>(counts.size()), M = x.size(0);
+  const int64_t H = heads, KV = kv_heads, D = keys.size(4), group = H / KV, Q = limits.size(1) / group;
+  std::vector<int64_t> first(R + 1, 0);  // row r's tokens are rows first[r] .. first[r + 1] - 1 of x
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(1 <= counts[r] && counts[r] <= Q, "decoder_layers: a row holds 1 .. Q tokens");
+    first[r + 1] = first[r] + counts[r];
+  }
+  TORCH_CHECK(R == slots.size(0) && first[R] == M && static_cast<int64_t>(starts.size()) == R,
+              "decoder_layers: rows");
   slots = slots.contiguous();
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
   const double scale = std::pow(static_cast<double>(D), -0.5);  // as the Python loop computes D ** -0.5
   const c10::optional<torch::Tensor> path_starts =
       paths.has_value() ? c10::optional<torch::Tensor>(torch::tensor(starts.vec(), slots.options())) : c10::nullopt;
-  auto q = torch::empty({R, KV, group * Q, D}, x.options());
+  auto q = torch::zeros({R, KV, group * Q, D}, x.options());  // padded queries stay zero: finite, never read
   auto attended = torch::empty({M, H * D}, x.options());
   std::vector<torch::Tensor> captured;
   c10::optional<torch::Tensor> delta;
@@ -109,25 +118,25 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
     rotate_(qkv.view({M, -1, D}), H + KV, cos, sin);
     auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
     if (bf16_cache)
-      write_cache<at::BFloat16>(qkv, layer_keys, layer_values, slot_ptr, starts, counts, Q, H, KV, D);
+      write_cache<at::BFloat16>(qkv, layer_keys, layer_values, slot_ptr, starts, counts, first, H, KV, D);
     else
-      write_cache<float>(qkv, layer_keys, layer_values, slot_ptr, starts, counts, Q, H, KV, D);
+      write_cache<float>(qkv, layer_keys, layer_values, slot_ptr, starts, counts, first, H, KV, D);
     // query head kv * group + g at position i goes to (kv, g * Q + i): the heads sharing a kv head together
     const float* src = qkv.data_ptr<float>();
     float* qp = q.data_ptr<float>();
     const int64_t width = qkv.size(1);
     for (int64_t r = 0; r < R; ++r)
       for (int64_t head = 0; head < H; ++head)
-        for (int64_t i = 0; i < Q; ++i)
-          std::memcpy(qp + ((r * H + head) * Q + i) * D, src + (r * Q + i) * width + head * D, D * sizeof(float));
+        for (int64_t i = 0; i < counts[r]; ++i)
+          std::memcpy(qp + ((r * H + head) * Q + i) * D, src + (first[r] + i) * width + head * D, D * sizeof(float));
     auto out = cached_attention(q, layer_keys, layer_values, slots, limits, scale, paths,
                                 path_starts);  // (R, KV, group * Q, D)
     const float* op = out.data_ptr<float>();
     float* ap = attended.data_ptr<float>();
     for (int64_t r = 0; r < R; ++r)
       for (int64_t head = 0; head < H; ++head)
-        for (int64_t i = 0; i < Q; ++i)
-          std::memcpy(ap + (r * Q + i) * H * D + head * D, op + ((r * H + head) * Q + i) * D, D * sizeof(float));
+        for (int64_t i = 0; i < counts[r]; ++i)
+          std::memcpy(ap + (first[r] + i) * H * D + head * D, op + ((r * H + head) * Q + i) * D, D * sizeof(float));
     h = add_rms_norm(x, few_rows_linear(attended, w[2]), w[3], eps);
     auto gate_up = few_rows_linear(h, w[4]);
     const int64_t inner = gate_up.size(1) / 2;
