@@ -224,6 +224,7 @@ def test_engine_streams_stops_and_frees_cancelled_slots():
     finally:
         engine.stop()
     assert engine.batched.free_slots == 1 and engine.metrics.requests["cancelled"] == 1
+    assert engine.batched.cache is None  # a stopped engine's KV memory goes back at once
 
 
 @pytest.mark.parametrize("drafter_kind", ["ngram", "dspark"])

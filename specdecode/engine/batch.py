@@ -79,6 +79,10 @@ class BatchedTarget:
         """Keep the slot's first `length` entries (never grows it)."""
         self.lengths[slot] = min(self.lengths[slot], length)
 
+    def close(self) -> None:
+        """Free the KV memory; no pass can run after this."""
+        self.cache = None
+
     # ---------------------------------------------------------------- the pass
     def forward(self, slots: list[int], rows: list[torch.Tensor], logits: bool = True) -> Output:
         """Append `rows[r]` (n_r new tokens) to slot `slots[r]` in one target pass; outputs are (R, Q, ...)

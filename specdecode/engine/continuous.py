@@ -196,6 +196,10 @@ class ContinuousEngine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            # a stopped engine takes no requests again: its KV slots go back now, not when the engine is
+            # collected (a served app's endpoints, which hold it, may outlive the app in FastAPI's caches)
+            self.batched.close()
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise `SpecDecodeError` for a request that no slot could ever hold."""
