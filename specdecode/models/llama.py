@@ -383,12 +383,12 @@ class LlamaRunner:
             self._rope_table(2 * (Q if rows is None else rows.kv_length))
         pack = (lambda t: t.flatten(0, 1)) if rows is None else rows.pack
         unpack = (lambda t: t.view(R, Q, *t.shape[1:])) if rows is None else rows.unpack
-        cos, sin = pack(self.cos[positions]), pack(self.sin[positions])  # (N, D)
+        packed_positions = pack(positions)  # a padded query's position may lie past the rotary table
+        cos, sin = self.cos[packed_positions], self.sin[packed_positions]  # (N, D)
         captured = {}
-        x = F.embedding(ids, self.embedding).to(self.dtype)
+        x = F.embedding(pack(ids), self.embedding).to(self.dtype)  # (N, hidden): the residual stream, updated in place
         if -1 in capture:
-            captured[-1] = x.clone()
-        x = pack(x)  # (N, hidden): the residual stream, updated in place
+            captured[-1] = unpack(x.clone())
         if self._layers_in_cpp(cache, rows, x.shape[0]):
             layer_ids = sorted({i for i in capture if i >= 0})
             delta, *outputs = torch.ops.specdecode.decoder_layers(
