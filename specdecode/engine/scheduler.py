@@ -36,9 +36,7 @@ def prefix_survival(confidences: torch.Tensor) -> torch.Tensor:
 
 
 def schedule_prefix(
-    survivals: Sequence[torch.Tensor],
-    steps_per_s: Callable[[int], float],
-    early_stop: bool = True,
+    survivals: Sequence[torch.Tensor], steps_per_s: Callable[[int], float], early_stop: bool = True
 ) -> list[int]:
     """Algorithm 1: verify lengths l_r maximising tau * SPS(B), admitting pairs by decreasing survival.
 

@@ -123,6 +123,8 @@ class Rows:
         self.start_index = torch.tensor(self.starts)
         real = torch.arange(Q)[None] < torch.tensor(self.counts)[:, None]
         self.real = None if bool(real.all()) else real  # which queries are written (None: all)
+        if self.real is not None and self.limits is not None:
+            self.limits = self.limits * real  # a padded query sees nothing: the C++ attention skips it
         self.write_slot = self.slot_index[:, None].expand(R, Q)[real]
         self.write_entry = (torch.tensor(self.starts)[:, None] + torch.arange(Q))[real]
 
@@ -180,14 +182,12 @@ class Rows:
 
     @classmethod
     def batch(cls, slots: list[int], starts: list[int], counts: list[int]) -> "Rows":
-        """Several requests, row r's tokens after its own `starts[r]` cached ones, padded to the longest row (a
-        padded query's limit is 0: the C++ attention skips it)."""
+        """Several requests, row r's tokens after its own `starts[r]` cached ones, padded to the longest row."""
         width = max(counts)
         positions = torch.tensor(starts)[:, None] + torch.arange(width)
         kv_length = max(s + c for s, c in zip(starts, counts, strict=True))
         mask = torch.arange(kv_length)[None, None] <= positions[:, :, None]
-        limits = (positions + 1) * (torch.arange(width)[None] < torch.tensor(counts)[:, None])
-        return cls(list(slots), list(starts), list(counts), positions, mask[:, None], kv_length, limits)
+        return cls(list(slots), list(starts), list(counts), positions, mask[:, None], kv_length, positions + 1)
 
 
 def _tree_paths(start: int, positions: torch.Tensor, mask: torch.Tensor) -> tuple:
