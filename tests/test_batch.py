@@ -1,5 +1,7 @@
 """The batched verify pass and the continuous-batching engine: batching must not change what each request gets."""
 
+import threading
+
 import pytest
 import torch
 
@@ -225,6 +227,33 @@ def test_engine_streams_stops_and_frees_cancelled_slots():
         engine.stop()
     assert engine.batched.free_slots == 1 and engine.metrics.requests["cancelled"] == 1
     assert engine.batched.cache is None  # a stopped engine's KV memory goes back at once
+
+
+def test_drive_steps_on_the_calling_thread_and_hands_back_the_work():
+    """`drive`: the loop runs on the caller's thread (the model's: OpenMP is fast there) while the work runs
+    beside it; the work's result comes back, its exception is raised, and either way the KV memory goes back."""
+    target = tiny_target()
+    prompt = [3, 5, 7, 9]
+    engine = ContinuousEngine(target, NgramDrafter(), EngineConfig(max_batch=2, max_len=64, draft_length=3))
+    stepped_on = set()
+    step = engine._step
+    engine._step = lambda: (stepped_on.add(threading.current_thread()), step())[1]
+    tokens = engine.drive(lambda: engine.submit(prompt, GREEDY, 6).result(60).token_ids)
+    assert tokens == _normal_greedy(target, prompt, 6)
+    assert stepped_on == {threading.current_thread()} and engine.batched.cache is None
+    engine.start()  # a stopped engine takes no requests again
+    with pytest.raises(SpecDecodeError, match="shutting down"):
+        engine.submit(prompt, GREEDY, 2)
+
+    failing = ContinuousEngine(target, NgramDrafter(), EngineConfig(max_batch=1, max_len=512, draft_length=3))
+
+    def work() -> None:
+        failing.submit(prompt, GREEDY, 500)  # still running when the work fails: cancelled, not drained
+        raise ValueError("the work failed")
+
+    with pytest.raises(ValueError, match="the work failed"):
+        failing.drive(work)
+    assert failing.batched.cache is None and failing.metrics.requests["finished"] == 0
 
 
 @pytest.mark.parametrize("drafter_kind", ["ngram", "dspark"])

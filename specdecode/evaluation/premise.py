@@ -122,7 +122,10 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
         summary + "\n\n" + table + f"\n\n![ms per pass against k]({plot.name})\n",
         reps=reps,
         foreign_load_cores_median=round(statistics.median(foreign), 3),
-        cpu_probe={"read_gb_per_s": round(hardware.bandwidth_bytes_per_s / 1e9, 2)},
+        cpu_probe={
+            "read_gb_per_s": round(hardware.bandwidth_bytes_per_s / 1e9, 2),
+            f"{dtype}_matmul_gflop_per_s": round(hardware.flops_for(dtype) / 1e9, 1),
+        },
         chosen_configuration=chosen,
         kernel_timings_ms=default.runner.kernel_plan["timings"],
         batched_decoding=batched,
@@ -185,16 +188,22 @@ def _batched_table(batched: list[dict]) -> str:
 
 
 def _summary(runs: list[dict], contexts: list[int], positions: list[int]) -> str:
-    """Per context: the default's t(1) against the roofline and the HF forward, and its t(8)/t(1), t(16)/t(1)."""
+    """Per context: the default's t(1) against the roofline and the HF forward, and its t(8)/t(1), t(16)/t(1)
+    beside the roofline's own: where k positions' FLOPs outlast one pass's bytes, no kernel gets below it."""
     lines = ["| context | runner t(1) ms | roofline ms | t(1) / roofline | hf t(1) / runner t(1) | t(8)/t(1) | "
-             "t(16)/t(1) |", "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "t(16)/t(1) | roofline t(8)/t(1) | roofline t(16)/t(1) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for context in contexts:
         cell = {(r["variant"], r["positions"]): r for r in runs if r["context"] == context}
         one = cell[("runner-auto", 1)]
-        ratio = {k: f"{cell[('runner-auto', k)]['ratio_to_k1']:.2f}" if k in positions else "-" for k in (8, 16)}
+
+        def ratio(k: int, key: str, cell: dict = cell) -> str:
+            return f"{cell[('runner-auto', k)][key]:.2f}" if k in positions else "-"
+
         lines.append(
             f"| {context} | {one['ms_median']:.1f} | {one['roofline_ms']:.1f} | {one['ratio_to_roofline']:.2f} | "
-            f"{cell[('hf', 1)]['ms_median'] / one['ms_median']:.2f} | {ratio[8]} | {ratio[16]} |"
+            f"{cell[('hf', 1)]['ms_median'] / one['ms_median']:.2f} | {ratio(8, 'ratio_to_k1')} | "
+            f"{ratio(16, 'ratio_to_k1')} | {ratio(8, 'predicted_ratio')} | {ratio(16, 'predicted_ratio')} |"
         )
     return "\n".join(lines)
 

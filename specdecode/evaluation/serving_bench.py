@@ -18,6 +18,7 @@ median of each sweep's own ratio); a single sweep's level moves by 10-20% on the
 """
 
 import asyncio
+import functools
 import json
 import os
 import socket
@@ -239,6 +240,10 @@ def run_serving_bench(
             )
         return {**level, "foreign_load_cores": round(foreign.cores, 3)}
 
+    def load_through(server: BackgroundServer, k: int, clients: int) -> dict:
+        with server:
+            return load(server.url, k, clients)
+
     runs = []
     for repeat in range(repeats):
         # fresh drafters: suffix decoding's index must not hold the previous sweep's answers to the same prompts
@@ -248,8 +253,9 @@ def run_serving_bench(
                 length = draft_length if label != "none" else 0
                 config = EngineConfig(max(concurrencies), max_len, length, scheduler, gate=gate)
                 engine = ContinuousEngine(target, drafter, config)
-                with BackgroundServer(create_app(engine, target.name)) as server:
-                    level = load(server.url, k, clients)
+                # the load runs beside the engine, which steps on this thread (engine/continuous.py says why)
+                server = BackgroundServer(create_app(engine, target.name))
+                level = engine.drive(functools.partial(load_through, server, k, clients))
                 runs.append(
                     {
                         "drafter": drafter.name,

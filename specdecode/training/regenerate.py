@@ -143,8 +143,10 @@ def regenerate(
     writer = _ShardWriter(out, settings.shard_size)
     bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate", unit="conv")
     new_tokens, start = 0, time.perf_counter()
-    engine.start()
-    try:
+
+    def collect() -> int:
+        """Hand out turns and write finished conversations (beside the engine loop); returns those skipped."""
+        nonlocal new_tokens
         waiting = sum(ask(index, conversation, 0) for index, conversation in todo)
         skipped = len(todo) - waiting
         while waiting:
@@ -159,8 +161,11 @@ def regenerate(
             waiting -= 1
             bar.update(1)
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
+        return skipped
+
+    try:
+        skipped = engine.drive(collect)  # the engine steps on this thread, the model's (engine/continuous.py)
     finally:
-        engine.stop(drain=False)
         writer.close()
         bar.close()
     if skipped:

@@ -85,8 +85,10 @@ def write_self_prompts(target: Target, attempts: int, out_dir: str, settings: Se
     done: queue.Queue = queue.Queue()
     bar = tqdm(total=attempts, initial=attempts - len(todo), desc="self-prompts", unit="prompt")
     new_tokens, start = 0, time.perf_counter()
-    engine.start()
-    try:
+
+    def collect() -> None:
+        """Queue every attempt and write each sample as it ends (beside the engine loop)."""
+        nonlocal new_tokens
         with open(samples_path, "a", encoding="utf-8") as file:
             for attempt in todo:
                 engine.submit(
@@ -106,8 +108,10 @@ def write_self_prompts(target: Target, attempts: int, out_dir: str, settings: Se
                 new_tokens += len(outcome.token_ids)
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
+
+    try:
+        engine.drive(collect)  # the engine steps on this thread, the model's (engine/continuous.py)
     finally:
-        engine.stop(drain=False)
         bar.close()
     kept = kept_prompts([s for i, s in samples.items() if i < attempts])
     with open(out / "prompts.jsonl", "w", encoding="utf-8") as file:
