@@ -245,10 +245,10 @@ def test_drive_steps_on_the_calling_thread_and_hands_back_the_work():
     with pytest.raises(SpecDecodeError, match="shutting down"):
         engine.submit(prompt, GREEDY, 2)
 
-    failing = ContinuousEngine(target, NgramDrafter(), EngineConfig(max_batch=1, max_len=512, draft_length=3))
+    failing = ContinuousEngine(target, NgramDrafter(), EngineConfig(max_batch=1, max_len=256, draft_length=3))
 
     def work() -> None:
-        failing.submit(prompt, GREEDY, 500)  # still running when the work fails: cancelled, not drained
+        failing.submit(prompt, GREEDY, 250)  # still running when the work fails: cancelled, not drained
         raise ValueError("the work failed")
 
     with pytest.raises(ValueError, match="the work failed"):
