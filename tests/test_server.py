@@ -321,7 +321,9 @@ def test_openapi_documents_both_endpoints_and_responses_match_it(server):
 
 def test_a_vllm_server_that_cannot_start_says_why(tmp_path):
     """The serving bench's vLLM peer: a server that exits at start-up is reported with its own last words
-    (here: this venv has no vLLM), not only its command line."""
-    server = VllmServer(sys.executable, str(tmp_path), "m", 1024, "none")
+    (here: this venv has no vLLM), not only its command line. It serves in the dtype it is given (the bench
+    passes the target's, so both servers compute in the same precision)."""
+    server = VllmServer(sys.executable, str(tmp_path), "m", 1024, "none", dtype="bfloat16")
+    assert server.command[server.command.index("--dtype") + 1] == "bfloat16"
     with pytest.raises(SpecDecodeError, match="No module named 'vllm'"):
         server.start()
