@@ -11,7 +11,7 @@ from specdecode.drafters.checkpoint import load_drafter, read_config, save_draft
 from specdecode.drafters.dspark import BlockDrafter
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
-from specdecode.evaluation.calibration_report import record_rounds, unseen_prompts, write_calibration
+from specdecode.evaluation.calibration_report import mix_pool, record_rounds, unseen_prompts, write_calibration
 from specdecode.sampling import SamplingParams
 from specdecode.training.calibration import (
     RoundRecorder,
@@ -23,7 +23,6 @@ from specdecode.training.calibration import (
     fit_sequential_temperatures,
     per_position_report,
 )
-from specdecode.training.prompts import build_prompt_mix
 from tests.conftest import tiny_target
 from tests.test_dspark import make_model
 
@@ -145,7 +144,7 @@ def test_unseen_prompts_of_a_packed_file_leave_out_its_conversations(smollm2, tm
     packed = Path(__file__).resolve().parents[1] / "data" / "regenerated" / "smollm2-135m.npz"
     trained = {str(i) for i in np.load(packed)["ids"]}
     prompts = unseen_prompts(smollm2, str(packed), 20)
-    id_of = {c.turns[0]: c.id for c in build_prompt_mix(len(trained) + 80)}
+    id_of = {c.turns[0]: c.id for c in mix_pool(trained, 20, seed=0)}  # the pool the prompts come from
     assert len(prompts) == 20 and not {id_of[p[0]["content"]] for p in prompts} & trained
     damaged = tmp_path / packed.name  # read like any packed file: its manifest's hash is checked
     damaged.write_bytes(packed.read_bytes()[:-1] + b"x")

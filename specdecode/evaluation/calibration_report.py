@@ -30,8 +30,16 @@ from specdecode.training.calibration import (
     per_position_report,
     reliability_curve,
 )
-from specdecode.training.prompts import build_prompt_mix
+from specdecode.training.prompts import DEFAULT_MIX, build_prompt_mix
 from specdecode.training.regenerate import read_records
+
+
+def mix_pool(seen_ids: set[str], count: int, seed: int) -> list:
+    """The default mix just large enough to hold `4 * count` prompts beside every seen one it can name: only
+    ids of its own sources count (a data set's other sources, e.g. self-written turns, would ask the mix for
+    more prompts than it has)."""
+    named = sum(1 for i in seen_ids if i.rsplit("-", 1)[0] in DEFAULT_MIX)
+    return build_prompt_mix(named + 4 * count, seed=seed)
 
 
 def unseen_prompts(target: Target, data_dir: str, count: int, seed: int = 0) -> list[list[dict]]:
@@ -42,13 +50,13 @@ def unseen_prompts(target: Target, data_dir: str, count: int, seed: int = 0) -> 
         from specdecode.training.artifact import packed_prompts
 
         seen_ids, seed = packed_prompts(target, data_dir)
-        pool = build_prompt_mix(len(seen_ids) + 4 * count, seed=seed)
+        pool = mix_pool(seen_ids, count, seed)
         seen_texts = {turn for c in pool if c.id in seen_ids for turn in c.turns}
     else:
         records = read_records(data_dir)
         seen_ids = {r["id"] for r in records}
         seen_texts = {m["content"] for r in records for m in r["messages"] if m["role"] == "user"}
-        pool = build_prompt_mix(len(records) + 4 * count, seed=seed)
+        pool = mix_pool(seen_ids, count, seed)
     fresh = [c for c in pool if c.id not in seen_ids and c.turns[0] not in seen_texts]
     if len(fresh) < count:
         raise SpecDecodeError(f"only {len(fresh)} unseen prompts are available, {count} asked for")
