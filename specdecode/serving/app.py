@@ -270,15 +270,9 @@ def serve(engine: ContinuousEngine, model_name: str, host: str = "127.0.0.1", po
     uvicorn answers HTTP on a helper thread while this thread, the one that loaded the model, steps the engine
     (`engine/continuous.py` says why that is 1.5-2.6x faster). Off the main thread uvicorn installs no signal
     handlers, so the ones here ask it to shut down: it stops accepting, finishes the open streams, and its
-    lifespan stops the engine, which drains. A second SIGINT forces the exit."""
+    lifespan stops the engine, which drains. A second SIGINT forces the exit (uvicorn's own `handle_exit`)."""
     server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), host=host, port=port, log_level="info"))
-
-    def shut_down(signum: int, _frame) -> None:
-        if server.should_exit and signum == signal.SIGINT:
-            server.force_exit = True
-        server.should_exit = True
-
-    previous = {sig: signal.signal(sig, shut_down) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         engine.drive(server.run)
     finally:
