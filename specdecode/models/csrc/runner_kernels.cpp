@@ -118,18 +118,38 @@ static inline void store_tile(const vf (&acc)[NB][MB], const XT* X, const T* W, 
   }
 }
 
+// How a tile asks the caches for the next column's weights (they follow this column's in memory): a column's
+// rows are short (576 weights), too short for the hardware to see them as streams.
+// - kNone: not at all;
+// - kSameOffset: each step asks for the next column's rows at the step's own offset (a column of one tile);
+// - kShare: the tile asks for its share of the next column, spread over its steps (a column of several tiles:
+//   with kSameOffset memory idled while the later tiles multiplied the column from cache; 8 positions through
+//   the model's linears 0.83-0.91x the time, AVX2 Zen 3 EPYC). Each step earns `lines` credits and a line costs
+//   `steps`: no division in a loop of a few FMAs a step.
+enum Ask { kNone, kSameOffset, kShare };
+
+struct Share {
+  const char* next;
+  int64_t lines, steps, credit = 0;
+  inline void step() {
+    for (credit += lines; credit >= steps; credit -= steps, next += 64) __builtin_prefetch(next);
+  }
+};
+
 // Input rows m0 .. m0 + MB against weight rows n .. n + NB: NB * MB accumulators, each weight and input
-// vector loaded once per step. With `Prefetch`, each step also asks for the same place in the next group's
-// rows: a group's rows are short (576 weights), too short for the hardware to see them as streams.
-template <int NB, int MB, bool Prefetch, typename T>
-static inline void tile(const float* X, const T* W, float* Y, int64_t m0, int64_t n, int64_t K, int64_t N) {
+// vector loaded once per step; `share`: the lines to ask for with kShare.
+template <int NB, int MB, Ask A, typename T>
+__attribute__((noinline)) static void tile(const float* X, const T* W, float* Y, int64_t m0, int64_t n, int64_t K, int64_t N,
+                        Share share) {
   const int64_t Kv = K / kLanes * kLanes;
   vf acc[NB][MB] = {};
   for (int64_t k = 0; k < Kv; k += kLanes) {
     vf w[NB];
     for (int j = 0; j < NB; ++j) w[j] = load_v(W + (n + j) * K + k);
-    if constexpr (Prefetch) {
+    if constexpr (A == kSameOffset) {
       for (int j = 0; j < NB; ++j) __builtin_prefetch(W + (n + NB + j) * K + k);
+    } else if constexpr (A == kShare) {
+      share.step();
     }
     for (int i = 0; i < MB; ++i) {
       const vf xv = load_v(X + (m0 + i) * K + k);
@@ -142,16 +162,18 @@ static inline void tile(const float* X, const T* W, float* Y, int64_t m0, int64_
 #if defined(__AVX512BF16__)
 // The same tile with bfloat16 rows (X, rounded once per pass) and weights, 32 products per instruction:
 // each lane sums its pair of products into its float32 partial sum.
-template <int NB, int MB, bool Prefetch>
-static inline void tile(const at::BFloat16* X, const at::BFloat16* W, float* Y, int64_t m0, int64_t n, int64_t K,
-                        int64_t N) {
+template <int NB, int MB, Ask A>
+__attribute__((noinline)) static void tile(const at::BFloat16* X, const at::BFloat16* W, float* Y, int64_t m0, int64_t n, int64_t K,
+                        int64_t N, Share share) {
   const int64_t K32 = K / 32 * 32;
   vf acc[NB][MB] = {};
   for (int64_t k = 0; k < K32; k += 32) {
     __m512bh w[NB];
     for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(W + (n + j) * K + k);
-    if constexpr (Prefetch) {
+    if constexpr (A == kSameOffset) {
       for (int j = 0; j < NB; ++j) __builtin_prefetch(W + (n + NB + j) * K + k);
+    } else if constexpr (A == kShare) {
+      share.step();
     }
     for (int i = 0; i < MB; ++i) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(X + (m0 + i) * K + k);
@@ -162,12 +184,29 @@ static inline void tile(const at::BFloat16* X, const at::BFloat16* W, float* Y, 
 }
 #endif
 
-// Input rows m0 .. M - 1 against weight rows n .. n + NB, MB rows at a time; the rest in halves of MB.
-template <int NB, int MB, bool Prefetch, typename X, typename T>
-static inline void column(const X* x, const T* W, float* Y, int64_t n, int64_t m0, int64_t M, int64_t K, int64_t N) {
-  for (; m0 + MB <= M; m0 += MB) tile<NB, MB, Prefetch>(x, W, Y, m0, n, K, N);
+// One tile of exactly `rows` input rows (1 .. MB) from m0.
+template <int NB, int MB, Ask A, typename X, typename T>
+static inline void tile_of(int64_t rows, const X* x, const T* W, float* Y, int64_t m0, int64_t n, int64_t K, int64_t N,
+                           Share share) {
   if constexpr (MB > 1) {
-    if (m0 < M) column<NB, MB / 2, Prefetch>(x, W, Y, n, m0, M, K, N);
+    if (rows < MB) return tile_of<NB, MB - 1, A>(rows, x, W, Y, m0, n, K, N, share);
+  }
+  tile<NB, MB, A>(x, W, Y, m0, n, K, N, share);
+}
+
+// Input rows 0 .. M - 1 against weight rows n .. n + NB, in near-equal tiles of at most MB rows (a remainder
+// tile of one row would run on NB dependent chains, too few to hide the FMA latency).
+template <int NB, int MB, bool Prefetch, typename X, typename T>
+static inline void column(const X* x, const T* W, float* Y, int64_t n, int64_t M, int64_t K, int64_t N) {
+  const int64_t tiles = (M + MB - 1) / MB;
+  if (tiles == 1) return tile_of<NB, MB, Prefetch ? kSameOffset : kNone>(M, x, W, Y, 0, n, K, N, Share{});
+  const int64_t lines = Prefetch && n + NB < N ? NB * K * static_cast<int64_t>(sizeof(T)) / 64 : 0;
+  const int64_t steps = K / (std::is_same<X, at::BFloat16>::value ? 32 : kLanes);
+  const char* next = reinterpret_cast<const char*>(W + (n + NB) * K);
+  for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+    const int64_t rows = (M - m0) / (tiles - t), first = t * lines / tiles, last = (t + 1) * lines / tiles;
+    tile_of<NB, MB, Prefetch ? kShare : kNone>(rows, x, W, Y, m0, n, K, N, Share{next + first * 64, last - first, steps});
+    m0 += rows;
   }
 }
 
@@ -177,38 +216,44 @@ static void linear(const X* x, const T* W, float* Y, int64_t M, int64_t K, int64
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n = c * NB;
       if (n + NB <= N) {
-        column<NB, MB, Prefetch>(x, W, Y, n, 0, M, K, N);
+        column<NB, MB, Prefetch>(x, W, Y, n, M, K, N);
       } else {
-        for (int64_t r = n; r < N; ++r) column<1, MB, Prefetch>(x, W, Y, r, 0, M, K, N);
+        for (int64_t r = n; r < N; ++r) column<1, MB, Prefetch>(x, W, Y, r, M, K, N);
       }
     }
   });
 }
 
-// The tile shape per row count, measured on an AVX-512 EPYC (Zen 4) over the model's own linears:
-// - one or two rows: one weight row at a time, so the weights are read front to back as one stream, which
-//   the hardware prefetches at the full read bandwidth (eight rows in flight read ~half as fast: eight
-//   short streams of 576 weights each);
-// - three and four rows: still one weight row; native bfloat16 products take two input rows at a time, in
-//   two passes over the row (in cache for the second): the model's linears at four rows 15.7-16.1 ->
-//   11.0-11.6 ms (fastest of 16 interleaved sweeps) against one 1 x 4 tile with prefetch, which float32
-//   arithmetic keeps (not measured again);
-// - more: the arithmetic binds, and a tile of NB weight rows x 4 input rows shares every load among
-//   several products (NB = 2 for native bfloat16 products, 4 for float32 arithmetic).
+// The tile shape per row count, measured over the model's own linears (Zen 4 EPYC with AVX-512, Zen 3 with AVX2;
+// A/B in one process, interleaved, medians):
+// - one row: one weight row at a time, so the weights are read front to back as one stream (eight rows in
+//   flight read ~half as fast: eight short streams of 576 weights each), asking for the next row as it goes
+//   (Zen 3: 0.89-0.92x the time of the hardware's prefetch alone);
+// - two to four rows: still one weight row, taken by every input row of the tile at once. Each partial sum
+//   is one chain of dependent FMAs along K, so a tile needs several chains to hide the FMA latency: with 8
+//   float lanes (AVX2) a row's chain is 72 FMAs long, and two rows one after the other cost 1.4-1.7x one
+//   row where one 1 x 2 tile costs ~1.0x (Zen 3: two rows 0.56-0.68x, three 0.64-0.86x the time of the
+//   earlier 1 x 1 and 1 x 2 + 1 x 1 tiles). Native bfloat16 products take two input rows at a time, in two
+//   passes over the row (in cache for the second): the model's linears at four rows 15.7-16.1 -> 11.0-11.6 ms
+//   (fastest of 16 interleaved sweeps) against one 1 x 4 tile with prefetch, which float32 arithmetic keeps;
+// - more: the arithmetic binds, and a tile of NB weight rows x MB input rows shares every load among several
+//   products: NB = 2 for native bfloat16 products; for float32 arithmetic 4 x 4 where AVX-512 has 32 vector
+//   registers, 2 x 6 with AVX2's 16 (4 x 4 accumulators, 4 weights and an input spilled there; Zen 3: 6 to 16
+//   rows 0.67-0.90x the time).
 // The tile never changes the order of any one sum, so every shape computes the same bits.
 template <typename X> struct MidTile { static constexpr int MB = 4; static constexpr bool prefetch = true; };
 template <> struct MidTile<at::BFloat16> { static constexpr int MB = 2; static constexpr bool prefetch = false; };
-template <typename X> struct WideTile { static constexpr int NB = 4; };
-template <> struct WideTile<at::BFloat16> { static constexpr int NB = 2; };
+template <typename X> struct WideTile { static constexpr int NB = kLanes == 16 ? 4 : 2, MB = kLanes == 16 ? 4 : 6; };
+template <> struct WideTile<at::BFloat16> { static constexpr int NB = 2, MB = 4; };
 
 template <typename X, typename T>
 static void linear_by_rows(const X* x, const T* W, float* Y, int64_t M, int64_t K, int64_t N) {
-  if (M <= 2) {
-    linear<1, 1, false>(x, W, Y, M, K, N);
+  if (M == 1) {
+    linear<1, 1, true>(x, W, Y, M, K, N);
   } else if (M <= 4) {
     linear<1, MidTile<X>::MB, MidTile<X>::prefetch>(x, W, Y, M, K, N);
   } else {
-    linear<WideTile<X>::NB, 4, true>(x, W, Y, M, K, N);
+    linear<WideTile<X>::NB, WideTile<X>::MB, true>(x, W, Y, M, K, N);
   }
 }
 
