@@ -111,21 +111,3 @@ def test_the_engine_leaves_a_self_gating_drafter_alone_with_one_request():
         outputs = [c.token_ids for c in _run(engine, prompts, 24)]
         assert outputs == [_normal_greedy(target, p, 24) for p in prompts]
         assert (engine.metrics.steps_without_drafting > 0) == skipped
-
-
-def test_a_gated_step_keeps_the_hybrids_suffix_lookups():
-    """Drafting priced far above a pass: the gate turns the model's drafting off in most steps, yet those steps
-    still verify what the suffix looks up (free drafts, no drafting pass); greedy output stays normal decoding's."""
-    from specdecode.drafters.hybrid import HybridDrafter
-
-    target = tiny_target(vocab_size=32, seed=3)
-    model = BlockDrafter(build_block_drafter("dspark", target, num_layers=1, block_size=4, target_layer_ids=[0]))
-    target.set_capture_layers(model.target_layer_ids)
-    prompts = [[3, 4, 5, 6] * 4, [7, 8, 9] * 5]  # text that repeats: the suffix finds matches at once
-    config = EngineConfig(max_batch=2, max_len=96, draft_length=4, scheduler="prefix")
-    hybrid = HybridDrafter(model, costs=(0.01, 0.012))
-    engine = ContinuousEngine(target, hybrid, config, lambda b: 1 / flat(b), draft_s=lambda r: 1.0)
-    completions = _run(engine, prompts, 40)
-    assert [c.token_ids for c in completions] == [_normal_greedy(target, p, 40) for p in prompts]
-    assert engine.metrics.steps_without_drafting > 0
-    assert sum(c.stats.proposers.get("suffix", 0) for c in completions) > engine.metrics.steps_without_drafting // 2

@@ -119,11 +119,6 @@ class Drafter:
         """Draft up to `max_tokens` tokens that continue the committed sequence `ids`."""
         return EMPTY_PROPOSAL
 
-    def propose_lookup(self, ids: list[int], max_tokens: int) -> Proposal:
-        """What the drafter proposes without a drafting pass, for a step whose drafting a gate turned off: lookups
-        (their drafts cost only verify width); nothing from drafters that pay a pass per draft."""
-        return EMPTY_PROPOSAL
-
     @classmethod
     def propose_batch(cls, drafters: list["Drafter"], ids: list[list[int]], max_tokens: list[int]) -> list[Proposal]:
         """`propose` for many requests at once (`drafters[r]` holds request r's state); drafters whose weights

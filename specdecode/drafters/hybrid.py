@@ -158,11 +158,6 @@ class HybridDrafter(Drafter):
     def propose(self, ids: list[int], max_tokens: int) -> Proposal:
         return self.propose_batch([self], [ids], [max_tokens])[0]
 
-    def propose_lookup(self, ids: list[int], max_tokens: int) -> Proposal:
-        """The suffix's proposal alone: a step whose model drafting the engine's gate turned off."""
-        self.model_pending = None
-        return self.suffix.propose(ids, max_tokens)
-
     @classmethod
     def propose_batch(cls, drafters: list[Drafter], ids: list[list[int]], max_tokens: list[int]) -> list[Proposal]:
         """Suffix proposals for every request; one batched model call for the requests that want the model."""

@@ -26,9 +26,6 @@ class NgramDrafter(Drafter):
                 return Proposal(tokens=torch.tensor(follow, dtype=torch.long))
         return EMPTY_PROPOSAL
 
-    def propose_lookup(self, ids: list[int], max_tokens: int) -> Proposal:
-        return self.propose(ids, max_tokens)
-
 
 def _last_earlier_match(ids: list[int], n: int) -> int | None:
     """Start of the latest earlier occurrence of the final n tokens that is followed by something."""

@@ -239,9 +239,6 @@ class SuffixDrafter(Drafter):
         self.draft_length = draft_length
         return max(draft_length, self.settings.lookup_length) if draft_length > 0 else 0
 
-    def propose_lookup(self, ids: list[int], max_tokens: int) -> Proposal:
-        return self.propose(ids, max_tokens)
-
     def propose(self, ids: list[int], max_tokens: int) -> Proposal:
         self.pending = None
         if max_tokens <= 0:

@@ -347,29 +347,24 @@ class ContinuousEngine:
         verify pass, commit each request."""
         speculating = [s for s in self._running if s.request.speculate]
         # one request alone is one-request decoding, where a self-gating drafter (the hybrid) has no gate on top
-        # (it weighs its model's drafting round by round) and the scheduler prices a step by its verify pass alone
+        # (skipping its drafting would skip its suffix lookups too, whose drafts cost no drafting pass) and the
+        # scheduler prices a step by its verify pass alone
         gated = self.gate is not None and not (self.drafter.gates_itself and len(speculating) == 1)
         chosen = self.gate.choose([s.drafting for s in speculating]) if gated else [True] * len(speculating)
         drafts = iter(chosen)
         drafting = [next(drafts) if s.request.speculate else False for s in self._running]
-        # drafts beyond a request's limit would be wasted
-        limits = [
-            min(s.drafter.proposal_limit(self.config.draft_length), s.request.max_tokens - s.generated - 1)
-            if s.request.speculate
-            else 0
-            for s in self._running
-        ]
         t0 = time.perf_counter()
         proposals = self.drafter.propose_batch(  # a limit of 0 drafts nothing and keeps the drafter in step
             [s.drafter for s in self._running],
             [s.ids for s in self._running],
-            [n if wants else 0 for n, wants in zip(limits, drafting, strict=True)],
+            # drafts beyond a request's limit would be wasted
+            [
+                min(s.drafter.proposal_limit(self.config.draft_length), s.request.max_tokens - s.generated - 1)
+                if wants
+                else 0
+                for s, wants in zip(self._running, drafting, strict=True)
+            ],
         )
-        # a request whose drafting the gate turned off still gets what costs no drafting pass (lookups)
-        proposals = [
-            p if wants or not n else s.drafter.propose_lookup(s.ids, n)
-            for s, p, n, wants in zip(self._running, proposals, limits, drafting, strict=True)
-        ]
         draft_s = time.perf_counter() - t0
         for s in self._running:
             s.stats.draft_s += draft_s  # every request waits for the whole batch's drafting
