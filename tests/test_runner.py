@@ -223,17 +223,20 @@ def test_only_tree_masks_take_the_cached_kernel():
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")
 @pytest.mark.parametrize("head_dim", [64, 128, 96, 24])
-def test_cached_attention_over_a_bfloat16_cache(head_dim):
-    """A bfloat16 cache attends like SDPA over its widened entries (the kernel reads them in another order
-    than a float32 cache, so it is close to, not equal to, the float32 kernel over the same values), and each
-    query's result is bit for bit the same alone as among other rows and queries (verify = steps)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cached_attention_matches_sdpa_and_each_query_alone(head_dim, dtype):
+    """The C++ attention over a float32 or bfloat16 cache attends like SDPA over the (widened) entries, and each
+    query's result is bit for bit the same alone as among other rows and queries (verify = steps), though
+    queries that see the same keys share value loads in tiles of up to three. A bfloat16 cache is read in
+    another order than a float32 one, so it is close to, not equal to, the float32 kernel over the same values."""
     torch.manual_seed(0)
     slots, kv_heads, capacity, group = 4, 3, 150, 3
-    keys = torch.randn(slots, kv_heads, capacity, head_dim).bfloat16()
-    values = torch.randn(slots, kv_heads, capacity, head_dim).bfloat16()
+    keys = torch.randn(slots, kv_heads, capacity, head_dim).to(dtype)
+    values = torch.randn(slots, kv_heads, capacity, head_dim).to(dtype)
     q = torch.randn(2, kv_heads, group * 5, head_dim)
     rows = torch.tensor([3, 1])
     limits = torch.tensor([[140, 141, 142, 143, 144] * group, [7, 8, 9, 10, 11] * group])
+    limits[0, 5:8] = 144  # three queries seeing the same keys in every block: one tile
     scale = head_dim**-0.5
     attend = torch.ops.specdecode.cached_attention
     out = attend(q, keys, values, rows, limits, scale)
@@ -244,7 +247,7 @@ def test_cached_attention_over_a_bfloat16_cache(head_dim):
             q[r], keys[slot].float(), values[slot].float(), attn_mask=visible, scale=scale
         )
         torch.testing.assert_close(out[r], expected, atol=1e-5, rtol=1e-5)
-        for m in (0, 7):
+        for m in (0, 5, 6, 7, 14):
             one = slice(m, m + 1)
             alone = attend(q[r : r + 1, :, one], keys, values, rows[r : r + 1], limits[r : r + 1, one], scale)
             assert torch.equal(alone[0, :, 0], out[r, :, m])

@@ -23,6 +23,8 @@
 namespace {
 
 constexpr int64_t kBlock = 64;  // keys scored at once per query before their softmax weights are applied
+constexpr int64_t kTile = 3;    // queries whose weighted sums share each value load (the 8-lane path)
+constexpr int kSlices = 4;      // 8-float slices of a head each tile query keeps in registers
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
@@ -238,16 +240,62 @@ inline void add_weighted(float* acc, const Entry* v, const float* weights, int64
   }
 }
 
-// One query's share of one block of `visible` keys k and values v (D entries each): scores, the running
-// maximum and total, and the weighted sum of values into am.
+// A tile of T queries' weighted sums over one block (acc: T rows of D floats; weights: T rows): the queries
+// share each load of a value, and 4 T chains of multiply-adds hide their latency where one query's D / 8 did not.
+// Each dimension of each query sums the same products in the same order as `add_weighted`.
+template <int T, int S, typename Entry>
+inline void add_weighted_slices(float* acc, const Entry* v, const float (*weights)[kBlock], int64_t visible,
+                                int64_t D, int64_t d0) {
+  v8 sums[T][S];
+  for (int t = 0; t < T; ++t)
+    for (int s = 0; s < S; ++s) sums[t][s] = load8(acc + t * D + d0 + 8 * s);
+  for (int64_t b = 0; b < visible; ++b) {
+    v8 values[S];
+    for (int s = 0; s < S; ++s) values[s] = load8(v + b * D + d0 + 8 * s);
+    for (int t = 0; t < T; ++t) {
+      const v8 w = splat(weights[t][b]);
+      for (int s = 0; s < S; ++s) sums[t][s] = fma8(w, values[s], sums[t][s]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int s = 0; s < S; ++s) store8(acc + t * D + d0 + 8 * s, sums[t][s]);
+}
+
+template <int T, typename Entry>
+inline void add_weighted_tile(float* acc, const Entry* v, const float (*weights)[kBlock], int64_t visible,
+                              int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + 8 * kSlices <= D; d0 += 8 * kSlices) add_weighted_slices<T, kSlices>(acc, v, weights, visible, D, d0);
+  for (; d0 < D; d0 += 8) add_weighted_slices<T, 1>(acc, v, weights, visible, D, d0);
+}
+
+// One query's scores over one block of `visible` keys k (D entries each), turned into its softmax weights
+// against the running maximum `best` (what was summed so far, am and total, rescaled when it grows), the
+// block's share added to `total`. With `ahead`: the next block's keys and values (lines of 64 bytes each),
+// asked of the caches along the way.
 template <typename Entry>
-inline void attend_block(const float* qm, const Entry* k, const Entry* v, int64_t visible, int64_t D, float scale,
-                         float& best, float& total, float* am, float* weights) {
+inline void score_block(const float* qm, const Entry* k, int64_t visible, int64_t D, float scale, float& best,
+                        float& total, float* am, float* weights, const char* ahead_k, const char* ahead_v,
+                        int64_t ahead_lines) {
   float block_max = -INFINITY;
   int64_t b = 0;
-  for (; b + 8 <= visible; b += 8) store8(weights + b, dots8(qm, k + b * D, D) * splat(scale));
+  for (; b + 8 <= visible; b += 8) {
+    if (ahead_k) {
+      for (int64_t l = b * ahead_lines / kBlock, to = (b + 8) * ahead_lines / kBlock; l < to; ++l) {
+        __builtin_prefetch(ahead_k + 64 * l, 0, 2);
+        __builtin_prefetch(ahead_v + 64 * l, 0, 2);
+      }
+    }
+    store8(weights + b, dots8(qm, k + b * D, D) * splat(scale));
+  }
   for (; b < visible; ++b) weights[b] = dot(qm, k + b * D, D) * scale;
-  for (b = 0; b < visible; ++b) block_max = std::max(block_max, weights[b]);
+  v8 maxima = splat(-INFINITY);  // a maximum is exact in any order: eight lanes, then the rest
+  for (b = 0; b + 8 <= visible; b += 8) {
+    const v8 w = load8(weights + b);
+    maxima = w > maxima ? w : maxima;
+  }
+  for (; b < visible; ++b) block_max = std::max(block_max, weights[b]);
+  for (int i = 0; i < 8; ++i) block_max = std::max(block_max, maxima[i]);
   if (block_max > best) {  // a new maximum: rescale what was summed so far
     const float shrink = exp1(best - block_max);
     total *= shrink;
@@ -262,7 +310,6 @@ inline void attend_block(const float* qm, const Entry* k, const Entry* v, int64_
     block_total += w;
   }
   for (int i = 0; i < 8; ++i) total += block_total[i];
-  add_weighted(am, v, weights, visible, D);
 }
 
 // Dimension d of a head in the order bfloat16 entries are read (`load32`): within each 32, the even ones
@@ -294,7 +341,7 @@ void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limit
     q = split_q.data();
   }
   std::vector<Entry> gathered(paths.entries ? 2 * kBlock * D : 0);
-  alignas(32) float weights[kBlock];
+  alignas(32) float weights[kTile][kBlock];
   Entry *gathered_k = gathered.data(), *gathered_v = gathered.empty() ? nullptr : gathered.data() + kBlock * D;
   for (int64_t j0 = 0; j0 < longest; j0 += kBlock) {
     // a block reaching past the prefix: its prefix part is copied once, each query's path after it
@@ -302,11 +349,20 @@ void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limit
     const int64_t prefix = tail ? std::clamp(paths.start - j0, int64_t{0}, kBlock) : 0;
     std::copy(k + j0 * D, k + (j0 + prefix) * D, gathered_k);
     std::copy(v + j0 * D, v + (j0 + prefix) * D, gathered_v);
-    for (int64_t m = 0; m < M; ++m) {
+    const int64_t next = std::min(longest - j0 - kBlock, kBlock);  // entries of the next block
+    const char* ahead_k = next > 0 ? reinterpret_cast<const char*>(k + (j0 + kBlock) * D) : nullptr;
+    const char* ahead_v = next > 0 ? reinterpret_cast<const char*>(v + (j0 + kBlock) * D) : nullptr;
+    const int64_t ahead_lines = next > 0 ? (next * D * static_cast<int64_t>(sizeof(Entry)) + 63) / 64 : 0;
+    const char* ask_k = ahead_k;  // the block's first query asks for the next block
+    for (int64_t m = 0; m < M;) {
       const int64_t visible = std::min(limits[m] - j0, kBlock);
-      if (visible <= 0) continue;
+      if (visible <= 0) {
+        ++m;
+        continue;
+      }
       const Entry *kb = k + j0 * D, *vb = v + j0 * D;
-      if (tail && visible > prefix) {
+      const bool own = tail && visible > prefix;  // a tree query's path: a block of its own
+      if (own) {
         for (int64_t b = prefix; b < visible; ++b) {
           const int64_t entry = paths.entries[m * paths.width + j0 + b - paths.start];
           std::copy(k + entry * D, k + (entry + 1) * D, gathered_k + b * D);
@@ -315,7 +371,20 @@ void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limit
         kb = gathered_k;
         vb = gathered_v;
       }
-      attend_block(q + m * D, kb, vb, visible, D, scale, best[m], total[m], acc.data() + m * D, weights);
+      // the queries from m on that see the same keys: one tile (AVX-512 reads heads 32 wide, one query at a time)
+      int64_t tile = 1;
+      while (!own && !wide(D) && tile < kTile && m + tile < M && std::min(limits[m + tile] - j0, kBlock) == visible)
+        ++tile;
+      for (int64_t t = 0; t < tile; ++t) {
+        score_block(q + (m + t) * D, kb, visible, D, scale, best[m + t], total[m + t], acc.data() + (m + t) * D,
+                    weights[t], visible == kBlock ? ask_k : nullptr, ahead_v, ahead_lines);
+        if (visible == kBlock) ask_k = nullptr;
+      }
+      float* am = acc.data() + m * D;
+      if (tile == 3) add_weighted_tile<3>(am, vb, weights, visible, D);
+      else if (tile == 2) add_weighted_tile<2>(am, vb, weights, visible, D);
+      else add_weighted(am, vb, weights[0], visible, D);
+      m += tile;
     }
   }
   for (int64_t m = 0; m < M; ++m) {
