@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from specdecode.engine.batch import BatchedTarget
 from specdecode.engine.decode import tree_attention
 from specdecode.models import linear as linear_module
+from specdecode.models.gguf_rows import dequantize_q4_1
 from specdecode.models.linear import (
     FEW_ROWS_MAX,
     ROW_BUCKETS,
@@ -134,12 +135,12 @@ def test_the_cpp_layer_loop_computes_what_the_python_loop_computes(smollm2):
     one-request chain of 1, 3 and 8 positions, and batched rows of unequal lengths in non-adjacent slots."""
     runner = smollm2.runner
     weights = runner.layer_weights
-    assert weights is not None  # the default target is a model type the C++ loop covers
+    assert weights  # the default target is a model type the C++ loop covers
     smollm2.set_capture_layers([-1, 2, 20])
 
     def both_loops(run):
         outputs = []
-        for loop_weights in (weights, None):
+        for loop_weights in (weights, {}):  # {}: the Python loop
             runner.layer_weights = loop_weights
             outputs.append(run())
         runner.layer_weights = weights
@@ -149,7 +150,7 @@ def test_the_cpp_layer_loop_computes_what_the_python_loop_computes(smollm2):
     smollm2.reset()
     smollm2.forward(ids, logits=False)
     for k in (1, 3, 8):
-        assert runner._layers_in_cpp(smollm2.kv, Rows.chain(0, len(ids), k), k)
+        assert runner._cpp_loop_weights(smollm2.kv, Rows.chain(0, len(ids), k), k) is not None
 
         def verify(k=k):
             smollm2.rollback(len(ids))
@@ -190,7 +191,7 @@ def test_a_tree_pass_computes_what_chain_steps_compute(smollm2):
     start = len(ids) - 1
     runner = smollm2.runner
     weights = runner.layer_weights
-    for loop_weights in (weights, None):  # the C++ layer loop, then the Python one
+    for loop_weights in (weights, {}):  # the C++ layer loop, then the Python one
         runner.layer_weights = loop_weights
         smollm2.reset()
         smollm2.forward(ids[:-1], logits=False)
@@ -274,6 +275,61 @@ def test_few_rows_kernel_is_exact_per_row_whatever_the_row_count(dtype):
         assert torch.equal(torch.ops.specdecode.few_rows_linear(x[:m], weight), alone[:m]), m
     rows = x.bfloat16().float() if dtype == torch.bfloat16 and native_bfloat16() else x
     torch.testing.assert_close(alone, rows @ weight.float().T, atol=1e-4, rtol=1e-5)
+
+
+def random_q4_1(rows: int, inputs: int, generator: torch.Generator) -> torch.Tensor:
+    """Q4_1 rows as a GGUF stores them: per 32 weights float16 d and m, then 16 bytes of 4-bit q."""
+    blocks = inputs // 32
+    d = (torch.rand(rows, blocks, generator=generator) * 0.02 + 1e-3).half()
+    m = (-torch.rand(rows, blocks, generator=generator) * 0.1).half()
+    q = torch.randint(0, 16, (rows, blocks, 32), generator=generator, dtype=torch.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    raw = [d.view(torch.uint8).view(rows, blocks, 2), m.view(torch.uint8).view(rows, blocks, 2), nibbles]
+    return torch.cat(raw, dim=-1).reshape(rows, -1).contiguous()
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")
+def test_q4_1_rows_compute_the_bits_of_their_float32_weights_at_every_row_count():
+    """The kernel over Q4_1 rows rebuilds each weight as float32 d * q + m (the product is exact) and sums the
+    same products in the same order as over the dequantized float32 weights: the same bits at 1..40 rows
+    (every tile shape), and the dequantization the runner checks rows with is the one the kernel computes."""
+    generator = torch.Generator().manual_seed(0)
+    blocks = random_q4_1(301, 192, generator)  # an odd number of outputs: the remainder columns run
+    weight = dequantize_q4_1(blocks)
+    x = torch.randn(40, 192, generator=generator)
+    for m in range(1, 41):
+        got = torch.ops.specdecode.few_rows_linear(x[:m], blocks)
+        assert torch.equal(got, torch.ops.specdecode.few_rows_linear(x[:m], weight)), m
+    torch.testing.assert_close(got, x @ weight.T, atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="Q4_1 blocks"):
+        torch.ops.specdecode.few_rows_linear(x[:, :160], blocks)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")
+def test_the_default_target_streams_its_gguf_q4_1_rows_with_the_same_logits(smollm2):
+    """SmolLM2's decoder linears are Q4_1 in its GGUF: the runner finds every one's rows (q and k reordered as
+    the conversion reordered them), and a pass through them computes the float32 plan's logits bit for bit."""
+    if smollm2.dtype != torch.float32:
+        pytest.skip("Q4_1 rows serve float32 targets; this machine chose bfloat16")
+    linears = [lin for layer in smollm2.runner.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(lin.blocks is not None for lin in linears)
+    assert all(torch.equal(dequantize_q4_1(lin.blocks), lin.weight) for lin in linears)
+    ids = torch.tensor(smollm2.encode("Name three rivers in Europe."))
+    plans = [dict(lin.plan) for lin in smollm2.runner.linears()]
+    outputs = {}
+    try:
+        for kernel in ("few-rows-q4", "few-rows"):
+            for lin in smollm2.runner.linears():
+                lin.plan = {b: kernel if b <= FEW_ROWS_MAX else k for b, k in lin.plan.items()}
+            smollm2.reset()
+            smollm2.forward(ids[:-3], logits=False)
+            outputs[kernel] = [smollm2.forward(ids[-3:-2]).logits, smollm2.forward(ids[-2:]).logits]
+    finally:
+        for lin, plan in zip(smollm2.runner.linears(), plans, strict=True):
+            lin.plan = plan
+        smollm2.reset()
+    for a, b in zip(outputs["few-rows-q4"], outputs["few-rows"], strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(

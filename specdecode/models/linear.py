@@ -41,7 +41,7 @@ from specdecode.paths import cache_dir
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a pass with M rows uses the plan of the smallest bucket >= M
 FEW_ROWS_MAX = 16
-KERNELS = ("auto", "stock", "onednn", "few-rows")
+KERNELS = ("auto", "stock", "onednn", "few-rows", "few-rows-q4")
 
 
 @functools.cache
@@ -152,9 +152,10 @@ def stable_digest(value) -> str:
 class Linear:
     """y = x W^T (+ b) with one kernel per row bucket; `weight` (N, K) is kept as loaded, packed copies beside it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: torch.Tensor | None = None):
         self.weight = weight.contiguous()
         self.bias = bias
+        self.blocks = blocks  # the same float32 weight as GGUF Q4_1 rows (models/gguf_rows.py), where known
         self.plan: dict[int, str] = {}  # row bucket -> kernel; missing buckets use stock
         self._packed: torch.Tensor | None = None
         self._panels: torch.Tensor | None = None
@@ -167,6 +168,11 @@ class Linear:
             self._panels = pack_panels(self.weight) if panels_fit(self.weight) else self.weight
         return self._panels
 
+    def few_rows_weight(self, kernel: str) -> torch.Tensor:
+        """What the few-rows kernel reads under `kernel`: with `few-rows-q4`, the Q4_1 rows where this linear has
+        them (the same bits as its float32 weight, a fifth of the bytes)."""
+        return self.blocks if kernel == "few-rows-q4" and self.blocks is not None else self.kernel_weight
+
     def pack_onednn(self) -> None:
         if self._packed is None:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 8)
@@ -175,8 +181,8 @@ class Linear:
         self._packed = None
 
     def run(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
-        if kernel == "few-rows":
-            y = torch.ops.specdecode.few_rows_linear(x, self.kernel_weight)
+        if kernel.startswith("few-rows"):
+            y = torch.ops.specdecode.few_rows_linear(x, self.few_rows_weight(kernel))
             return y if self.bias is None else y + self.bias
         if kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -253,22 +259,25 @@ def freeze_linears(module: nn.Module, label: str, kernel: str = "auto", dtype: t
 
 def input_dtype(kernel: str, weight_dtype: torch.dtype) -> torch.dtype:
     """The few-rows kernel takes float32 rows for either weight dtype; the others want the weights' dtype."""
-    return torch.float32 if kernel == "few-rows" else weight_dtype
+    return torch.float32 if kernel.startswith("few-rows") else weight_dtype
 
 
 def bucket(rows: int) -> int:
     return next((b for b in ROW_BUCKETS if b >= rows), ROW_BUCKETS[-1])
 
 
-def candidates(dtype: torch.dtype, rows: int, exact: bool = False) -> list[str]:
+def candidates(dtype: torch.dtype, rows: int, exact: bool = False, quantized: bool = False) -> list[str]:
     """The kernels that may run `rows` rows; with `exact`, only the few-rows kernel up to `FEW_ROWS_MAX` rows,
     and at every row count where bfloat16 weights run as panels (then a prefill or a batch of requests computes
-    each row as one request alone would: mixing kernels across buckets moved bfloat16 logits by up to 0.5)."""
+    each row as one request alone would: mixing kernels across buckets moved bfloat16 logits by up to 0.5).
+    With `quantized` (float32 linears that also have their Q4_1 rows) the kernel over those rows too: it
+    computes the same bits as over the float32 weights, so it stays a candidate of an exact plan."""
     if dtype in (torch.float32, torch.bfloat16) and cpu_kernels_available():
         panels = dtype == torch.bfloat16 and torch.ops.specdecode.bfloat16_panels()
+        few_rows = ["few-rows", "few-rows-q4"] if quantized and dtype == torch.float32 else ["few-rows"]
         if exact and (rows <= FEW_ROWS_MAX or panels):
-            return ["few-rows"]
-        return ["stock", *_library_kernels(dtype), "few-rows"]
+            return few_rows
+        return ["stock", *_library_kernels(dtype), *few_rows]
     return ["stock", *_library_kernels(dtype)]
 
 
@@ -302,15 +311,17 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
     (cached per machine, model signature and thread count); with `exact`, the few-rows kernel at every bucket
     it covers (see the module's docstring). Returns {bucket: {kernel: ms}} of what was timed."""
     dtype = linears[0].weight.dtype
+    quantized = any(lin.blocks is not None for lin in linears)
     if kernel != "auto":
-        choice = {b: kernel if kernel in candidates(dtype, b) else "stock" for b in ROW_BUCKETS}
+        choice = {b: kernel if kernel in candidates(dtype, b, quantized=quantized) else "stock" for b in ROW_BUCKETS}
         timings: dict = {}
     else:
         key = {**signature, "kernels": kernels_digest(), "threads": torch.get_num_threads(), "exact": exact}
-        key["candidates"] = {str(b): candidates(dtype, b, exact) for b in ROW_BUCKETS}  # a new candidate replans
+        # a new candidate replans
+        key["candidates"] = {str(b): candidates(dtype, b, exact, quantized) for b in ROW_BUCKETS}
         path = cache_dir() / "kernel-plans" / f"{stable_digest(key)}.json"
         cached = json.loads(path.read_text()) if path.exists() else None
-        if cached and "few-rows" in cached["choice"].values() and not cpu_kernels_available():
+        if cached and any(k.startswith("few-rows") for k in cached["choice"].values()) and not cpu_kernels_available():
             cached = None  # measured where the kernel built; here it did not
         if cached and cached.get("key") == key:
             choice, timings = {int(b): k for b, k in cached["choice"].items()}, cached["timings"]
@@ -322,7 +333,7 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
             print("specdecode: timing linear kernels on this machine (once per model shape)", file=sys.stderr)
             with ForeignLoad() as load:
                 for b in ROW_BUCKETS:
-                    timings[b] = _time_sweeps(linears, candidates(dtype, b, exact), b, reps)
+                    timings[b] = _time_sweeps(linears, candidates(dtype, b, exact, quantized), b, reps)
             choice = {b: min(t, key=t.get) for b, t in timings.items()}
             if load.cores <= MAX_FOREIGN_CORES:  # a plan measured beside another job serves this process only
                 path.parent.mkdir(parents=True, exist_ok=True)

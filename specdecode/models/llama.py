@@ -224,20 +224,21 @@ class _Layer:
     gate_up: Linear
     down: Linear
 
-    def loop_weights(self) -> tuple[torch.Tensor, ...]:
-        """The weights in the order the C++ layer loop takes them."""
+    def loop_weights(self, kernel: str) -> tuple[torch.Tensor, ...]:
+        """The weights in the order the C++ layer loop takes them, as the few-rows `kernel` reads them."""
         return (
             self.input_norm,
-            self.qkv.kernel_weight,
-            self.o.kernel_weight,
+            self.qkv.few_rows_weight(kernel),
+            self.o.few_rows_weight(kernel),
             self.post_norm,
-            self.gate_up.kernel_weight,
-            self.down.kernel_weight,
+            self.gate_up.few_rows_weight(kernel),
+            self.down.few_rows_weight(kernel),
         )
 
 
-def _fuse(modules: list[torch.nn.Linear]) -> Linear:
-    """One matrix for several projections of the same input; the HF modules are repointed at its rows."""
+def _fuse(modules: list[torch.nn.Linear], blocks: list[torch.Tensor | None]) -> Linear:
+    """One matrix for several projections of the same input; the HF modules are repointed at its rows. Their
+    Q4_1 rows (`blocks`, None where unknown) are joined the same way where every projection has them."""
     weight = torch.cat([m.weight.detach() for m in modules])
     biases = [m.bias for m in modules]
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
@@ -248,13 +249,13 @@ def _fuse(modules: list[torch.nn.Linear]) -> Linear:
         if bias is not None:
             m.bias = torch.nn.Parameter(bias[first : first + rows], requires_grad=False)
         first += rows
-    return Linear(weight, bias)
+    return Linear(weight, bias, None if None in blocks else torch.cat(blocks))
 
 
 class LlamaRunner:
     """The forward of a loaded HF Llama-family model over `Rows` of new tokens with a `KVCache`."""
 
-    def __init__(self, hf_model, kernel: str = "auto") -> None:
+    def __init__(self, hf_model, kernel: str = "auto", q4_1_rows: dict[str, torch.Tensor] | None = None) -> None:
         c = hf_model.config
         self.config = c
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -276,19 +277,26 @@ class LlamaRunner:
             return None if weight is None else weight.detach().to(self.dtype)
 
         self.layers = []
-        for layer in inner.layers:
+        for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
+
+            def rows(module: str, i: int = i) -> torch.Tensor | None:  # its Q4_1 rows (models/gguf_rows.py)
+                return (q4_1_rows or {}).get(f"model.layers.{i}.{module}.weight")
+
             q_norm = getattr(attn, "q_norm", None)
             self.layers.append(
                 _Layer(
                     input_norm=vector(layer.input_layernorm.weight),
-                    qkv=_fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    qkv=_fuse(
+                        [attn.q_proj, attn.k_proj, attn.v_proj],
+                        [rows("self_attn.q_proj"), rows("self_attn.k_proj"), rows("self_attn.v_proj")],
+                    ),
                     q_norm=vector(None if q_norm is None else q_norm.weight),
                     k_norm=vector(None if q_norm is None else attn.k_norm.weight),
-                    o=Linear(attn.o_proj.weight.detach(), attn.o_proj.bias),
+                    o=Linear(attn.o_proj.weight.detach(), attn.o_proj.bias, rows("self_attn.o_proj")),
                     post_norm=vector(layer.post_attention_layernorm.weight),
-                    gate_up=_fuse([mlp.gate_proj, mlp.up_proj]),
-                    down=Linear(mlp.down_proj.weight.detach(), mlp.down_proj.bias),
+                    gate_up=_fuse([mlp.gate_proj, mlp.up_proj], [rows("mlp.gate_proj"), rows("mlp.up_proj")]),
+                    down=Linear(mlp.down_proj.weight.detach(), mlp.down_proj.bias, rows("mlp.down_proj")),
                 )
             )
         self.norm = vector(inner.norm.weight)
@@ -301,9 +309,10 @@ class LlamaRunner:
         self.kernel_plan = plan_kernels(self.linears(), kernel, signature, exact=True) if device.type == "cpu" else {}
         # the C++ layer loop (csrc/decoder_layers.cpp) runs the layers of the model types it covers
         plain = all(lin.bias is None for lin in self.linears()) and all(lay.q_norm is None for lay in self.layers)
-        self.layer_weights = None
+        self.layer_weights: dict[str, list[torch.Tensor]] = {}  # per few-rows kernel
         if self.fused and plain:
-            self.layer_weights = [w for lay in self.layers for w in lay.loop_weights()]
+            for k in ("few-rows", "few-rows-q4"):
+                self.layer_weights[k] = [w for lay in self.layers for w in lay.loop_weights(k)]
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [
@@ -389,10 +398,11 @@ class LlamaRunner:
         x = F.embedding(pack(ids), self.embedding).to(self.dtype)  # (N, hidden): the residual stream, updated in place
         if -1 in capture:
             captured[-1] = unpack(x.clone())
-        if self._layers_in_cpp(cache, rows, x.shape[0]):
+        loop_weights = self._cpp_loop_weights(cache, rows, x.shape[0])
+        if loop_weights is not None:
             layer_ids = sorted({i for i in capture if i >= 0})
             delta, *outputs = torch.ops.specdecode.decoder_layers(
-                x, self.layer_weights, cache.keys, cache.values, cos, sin, rows.slot_index, rows.starts,
+                x, loop_weights, cache.keys, cache.values, cos, sin, rows.slot_index, rows.starts,
                 rows.counts, rows.grouped_limits(H // KV), rows.grouped_paths(H // KV), H, KV, False, self.eps,
                 layer_ids,
             )  # fmt: skip
@@ -404,16 +414,12 @@ class LlamaRunner:
         layer_hidden = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return Output(head, layer_hidden, unpack(last))
 
-    def _layers_in_cpp(self, cache: KVCache | None, rows: Rows | None, tokens: int) -> bool:
-        """Whether the C++ layer loop runs this pass: a causal or tree pass (`limits`) through a CPU cache whose
-        linears take the few-rows kernel (its exact plan) in a model of the types it covers."""
-        return (
-            self.layer_weights is not None
-            and rows is not None
-            and rows.limits is not None
-            and cache.keys.device.type == "cpu"
-            and self.layers[0].qkv.plan.get(bucket(tokens)) == "few-rows"
-        )
+    def _cpp_loop_weights(self, cache: KVCache | None, rows: Rows | None, tokens: int) -> list[torch.Tensor] | None:
+        """The weights for the C++ layer loop if it runs this pass (a causal or tree pass (`limits`) through a CPU
+        cache whose linears take a few-rows kernel (their exact plan) in a model of the types it covers), else None."""
+        if rows is None or rows.limits is None or cache.keys.device.type != "cpu":
+            return None
+        return self.layer_weights.get(self.layers[0].qkv.plan.get(bucket(tokens), ""))
 
     def _layers(self, x, cos, sin, cache, rows, packing, capture, captured) -> torch.Tensor:
         """The decoder layers in Python, for every pass (a reference for the C++ loop, which must match it bit

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, PreTrainedT
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models import registry
-from specdecode.models.linear import KERNELS, FrozenLinear, bfloat16_is_faster
+from specdecode.models.gguf_rows import q4_1_rows
+from specdecode.models.linear import KERNELS, FrozenLinear, bfloat16_is_faster, cpu_kernels_available
 from specdecode.models.llama import KVCache, LlamaRunner, Output, Rows, unsupported_reason
 
 INITIAL_CACHE = 512  # entries of a one-request cache; it doubles when a context outgrows it
@@ -83,7 +84,11 @@ class Target:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.fallback_reason = unsupported_reason(self.config) if runner else "the HF forward was asked for"
-        self.runner = LlamaRunner(model, kernel) if self.fallback_reason is None else None
+        self.runner = None
+        if self.fallback_reason is None:
+            quantized = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels_available()
+            rows = q4_1_rows(source, model.state_dict()) if quantized else {}
+            self.runner = LlamaRunner(model, kernel, rows)
         self.kernel = kernel if self.runner else "hf"
         self.capture_layers: list[int] = []
         self._captured: dict[int, torch.Tensor] = {}  # HF forward only: filled by hooks

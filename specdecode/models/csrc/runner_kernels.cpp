@@ -17,7 +17,7 @@
 // elsewhere the weights are widened exactly to float32 and the rows stay float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__FMA__) || defined(__AVX512F__)
+#if defined(__FMA__) || defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -187,6 +187,76 @@ __attribute__((noinline)) static void tile(const at::BFloat16* X, const at::BFlo
 }
 #endif
 
+// A row of a GGUF Q4_1 matrix is K / 32 blocks of 32 weights: weight t of a block is d * q_t + m, with d and m
+// float16 and q_t four bits (the low nibble of byte t for t < 16, else the high nibble of byte t - 16). Here
+// the blocks are read as stored (20 bytes for 32 weights: a fifth of float32's bytes) and each weight is
+// rebuilt in registers as float32 d * q_t + m: the product is exact (11 by 4 bits), so the weight is bit for
+// bit the float32 value the model was converted to, and every output sums the same products in the same order
+// as the float32 tile: the same bits as the float32 weights, at any M.
+struct Q4_1 {
+  uint16_t d, m;
+  uint8_t q[16];
+};
+static_assert(sizeof(Q4_1) == 20, "a Q4_1 block is 20 bytes");
+
+typedef uint8_t u8v __attribute__((vector_size(kLanes)));
+typedef int32_t i32v __attribute__((vector_size(kLanes * 4)));
+
+// kLanes bytes widened to 32-bit lanes (one vpmovzxbd where the compiler would go byte by byte).
+static inline i32v widen_bytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (i32v)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return (i32v)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  u8v bytes;
+  __builtin_memcpy(&bytes, p, sizeof(bytes));
+  return __builtin_convertvector(bytes, i32v);
+#endif
+}
+
+// Weights part * kLanes .. part * kLanes + kLanes - 1 of a block, given its d and m as float32.
+static inline vf q4_1_weights(const Q4_1& block, int part, vf d, vf m) {
+  const i32v q = (widen_bytes(block.q + part * kLanes % 16) >> (part * kLanes / 16 * 4)) & 15;
+  return d * __builtin_convertvector(q, vf) + m;
+}
+
+// A float16 (its bits) as float32 in every lane: exact, and in hardware where the CPU has F16C.
+static inline vf half_splat(uint16_t bits) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(bits)));
+#elif defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(bits)));
+#else
+  return vf{} + c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+template <int NB, int MB, Ask A>
+__attribute__((noinline)) static void tile(const float* X, const Q4_1* W, float* Y, int64_t m0, int64_t n, int64_t K,
+                                           int64_t N, Share) {
+  const int64_t blocks = K / 32;
+  vf acc[NB][MB] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    vf d[NB], m[NB];
+    for (int j = 0; j < NB; ++j) {
+      const Q4_1& block = W[(n + j) * blocks + b];
+      d[j] = half_splat(block.d);
+      m[j] = half_splat(block.m);
+    }
+    for (int part = 0; part < 32 / kLanes; ++part) {
+      const int64_t k = b * 32 + part * kLanes;
+      vf w[NB];
+      for (int j = 0; j < NB; ++j) w[j] = q4_1_weights(W[(n + j) * blocks + b], part, d[j], m[j]);
+      for (int i = 0; i < MB; ++i) {
+        const vf xv = load_v(X + (m0 + i) * K + k);
+        for (int j = 0; j < NB; ++j) acc[j][i] = fma_v(xv, w[j], acc[j][i]);
+      }
+    }
+  }
+  store_tile<NB, MB>(acc, X, static_cast<const float*>(nullptr), Y, m0, n, K, N, K);  // K % 32 == 0: no tail
+}
+
 // One tile of exactly `rows` input rows (1 .. MB) from m0.
 template <int NB, int MB, Ask A, typename X, typename T>
 static inline void tile_of(int64_t rows, const X* x, const T* W, float* Y, int64_t m0, int64_t n, int64_t K, int64_t N,
@@ -204,7 +274,7 @@ static inline void column(const X* x, const T* W, float* Y, int64_t n, int64_t M
   const int64_t tiles = (M + MB - 1) / MB;
   if (tiles == 1) return tile_of<NB, MB, Prefetch ? kSameOffset : kNone>(M, x, W, Y, 0, n, K, N, Share{});
   const int64_t lines = Prefetch && n + NB < N ? NB * K * static_cast<int64_t>(sizeof(T)) / 64 : 0;
-  const char* next = reinterpret_cast<const char*>(W + (n + NB) * K);
+  const char* next = lines ? reinterpret_cast<const char*>(W + (n + NB) * K) : nullptr;
   for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
     const int64_t rows = (M - m0) / (tiles - t), first = t * lines / tiles, last = (t + 1) * lines / tiles;
     tile_of<NB, MB, Prefetch ? kShare : kNone>(rows, x, W, Y, m0, n, K, N, Share{next + first * 64, last - first});
@@ -256,6 +326,18 @@ static void linear_by_rows(const X* x, const T* W, float* Y, int64_t M, int64_t 
     linear<1, MidTile<X>::MB, MidTile<X>::prefetch>(x, W, Y, M, K, N);
   } else {
     linear<WideTile<X>::NB, WideTile<X>::MB, true>(x, W, Y, M, K, N);
+  }
+}
+
+// Q4_1 rows: one row, one tile streaming the blocks as the float32 kernel does; more rows share each rebuilt
+// weight vector in tiles of up to 8 rows (one weight row: its d and m and the rebuilt weights take registers).
+static void q4_1_linear(const float* x, const Q4_1* W, float* Y, int64_t M, int64_t K, int64_t N) {
+  if (M == 1) {
+    linear<4, 1, false>(x, W, Y, M, K, N);
+  } else if (M <= 4) {
+    linear<2, 4, false>(x, W, Y, M, K, N);
+  } else {
+    linear<1, 8, false>(x, W, Y, M, K, N);
   }
 }
 
@@ -348,7 +430,7 @@ bool bfloat16_panels() {
 #endif
 }
 
-// x float32; w float32 or bfloat16 (N, K), or bfloat16 panels (see panel_linear); y float32.
+// x float32; w float32 or bfloat16 (N, K), bfloat16 panels (see panel_linear) or Q4_1 blocks; y float32.
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
 #if defined(__AVX512BF16__)
   if (w.dim() == 3) {
@@ -357,6 +439,16 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
     return panel_linear(x.contiguous(), w);
   }
 #endif
+  if (w.scalar_type() == at::kByte) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0 && w.dim() == 2 &&
+                    w.is_contiguous() && w.size(1) == x.size(1) / 32 * static_cast<int64_t>(sizeof(Q4_1)),
+                "few_rows_linear: float32 x (M, K), Q4_1 blocks w (N, K / 32 * 20)");
+    x = x.contiguous();
+    auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+    q4_1_linear(x.data_ptr<float>(), reinterpret_cast<const Q4_1*>(w.data_ptr<uint8_t>()), y.data_ptr<float>(),
+                x.size(0), x.size(1), w.size(0));
+    return y;
+  }
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "few_rows_linear: x (M, K), w (N, K)");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "few_rows_linear: float32 inputs");
   TORCH_CHECK(w.is_contiguous(), "few_rows_linear: w must be contiguous");

@@ -1,0 +1,93 @@
+"""The GGUF's own Q4_1 rows beside the float32 weights converted from them, for the few-rows kernel.
+
+Why: the registry's targets ship as GGUF files whose decoder linears are Q4_1 (20 bytes for 32 weights);
+converted to float32 they are 6.4x the bytes a decode step streams. A Q4_1 weight is d * q + m, with d and m
+float16 and q four bits: d * q is exact in float32, so a weight rebuilt in registers is the very float32 value
+the conversion wrote, and the kernel (csrc/runner_kernels.cpp) sums the same products in the same order as over
+the float32 weights: the same bits at a fifth of the bytes. Rows are kept only where that holds exactly: every
+row of the converted weight is found among the dequantized GGUF rows (the conversion reorders the rows of q
+and k for its rotary layout). Found once per converted folder and cached inside it.
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+Q4_1_BYTES = 20  # a block: float16 d, float16 m, 16 bytes of 4-bit q for 32 weights
+CACHE_FILE = "q4_1-rows.safetensors"
+SOURCE_MARKER = "specdecode-source.json"  # written by the registry's conversion: {"gguf": path, ...}
+_GGUF_TO_HF = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 rows (N, K / 32 * 20) uint8 -> (N, K) float32, as the conversion and the kernel compute them."""
+    rows = blocks.shape[0]
+    b = blocks.view(rows, -1, Q4_1_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    q = b[..., 4:]
+    q = torch.cat([q & 15, q >> 4], dim=-1).float()  # weight t < 16: low nibble of byte t; else high of t - 16
+    return (d * q + m).reshape(rows, -1)
+
+
+def _in_weight_order(blocks: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """`blocks` reordered so that row i rebuilds row i of `weight` exactly, or None where some row is not there."""
+    values = dequantize_q4_1(blocks)
+    if torch.equal(values, weight):
+        return blocks
+    index = {row.numpy().tobytes(): i for i, row in enumerate(values)}
+    order = [index.get(row.numpy().tobytes()) for row in weight]
+    return None if None in order else blocks[order].contiguous()
+
+
+def q4_1_rows(source: str | Path | None, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{name: Q4_1 rows} for the float32 decoder linears of `weights` (HF names) that the GGUF behind the
+    converted folder `source` holds as Q4_1; {} for a folder converted from nothing we know."""
+    folder = Path(source) if source else None
+    if folder is None or not (folder / SOURCE_MARKER).exists():
+        return {}
+    cached = folder / CACHE_FILE
+    if cached.exists():
+        try:
+            rows = load_file(str(cached))
+        except Exception:  # a truncated cache (a killed first run): found again below
+            rows = None
+        if rows is not None:  # kept where it still rebuilds the weights exactly (0.2 s for SmolLM2's 210)
+            return {n: r for n, r in rows.items() if n in weights and torch.equal(dequantize_q4_1(r), weights[n])}
+    gguf_path = Path(json.loads((folder / SOURCE_MARKER).read_text()).get("gguf", ""))
+    if not gguf_path.is_file():
+        return {}
+    import gguf  # the conversion's own dependency; imported only when a cache is built
+
+    rows = {}
+    for tensor in gguf.GGUFReader(gguf_path).tensors:
+        found = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor.name)
+        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or not found or found[2] not in _GGUF_TO_HF:
+            continue
+        name = f"model.layers.{found[1]}.{_GGUF_TO_HF[found[2]]}.weight"
+        weight = weights.get(name)
+        if weight is None or weight.dtype != torch.float32 or weight.shape[1] % 32:
+            continue
+        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+        if blocks.shape != (weight.shape[0], weight.shape[1] // 32 * Q4_1_BYTES):
+            continue
+        ordered = _in_weight_order(blocks, weight)
+        if ordered is not None:
+            rows[name] = ordered
+    partial = cached.with_suffix(".partial")
+    save_file(rows, str(partial))
+    os.replace(partial, cached)
+    return rows
