@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from specdecode.engine.batch import BatchedTarget
 from specdecode.engine.decode import tree_attention
 from specdecode.models import linear as linear_module
-from specdecode.models.gguf_rows import dequantize_q4_1
+from specdecode.models.gguf_rows import dequantize
 from specdecode.models.linear import (
     FEW_ROWS_MAX,
     ROW_BUCKETS,
@@ -277,58 +277,62 @@ def test_few_rows_kernel_is_exact_per_row_whatever_the_row_count(dtype):
     torch.testing.assert_close(alone, rows @ weight.float().T, atol=1e-4, rtol=1e-5)
 
 
-def random_q4_1(rows: int, inputs: int, generator: torch.Generator) -> torch.Tensor:
-    """Q4_1 rows as a GGUF stores them: per 32 weights float16 d and m, then 16 bytes of 4-bit q."""
+def random_gguf_rows(kind: str, rows: int, inputs: int, generator: torch.Generator) -> torch.Tensor:
+    """Rows as a GGUF stores them, per 32 weights: Q4_1 float16 d and m, then 16 bytes of 4-bit q; Q8_0
+    float16 d, then 32 signed bytes."""
     blocks = inputs // 32
-    d = (torch.rand(rows, blocks, generator=generator) * 0.02 + 1e-3).half()
-    m = (-torch.rand(rows, blocks, generator=generator) * 0.1).half()
+    d = (torch.rand(rows, blocks, generator=generator) * 0.02 + 1e-3).half().view(torch.uint8).view(rows, blocks, 2)
+    if kind == "Q8_0":
+        q = torch.randint(-128, 128, (rows, blocks, 32), generator=generator, dtype=torch.int8).view(torch.uint8)
+        return torch.cat([d, q], dim=-1).reshape(rows, -1).contiguous()
+    m = (-torch.rand(rows, blocks, generator=generator) * 0.1).half().view(torch.uint8).view(rows, blocks, 2)
     q = torch.randint(0, 16, (rows, blocks, 32), generator=generator, dtype=torch.uint8)
-    nibbles = q[..., :16] | (q[..., 16:] << 4)
-    raw = [d.view(torch.uint8).view(rows, blocks, 2), m.view(torch.uint8).view(rows, blocks, 2), nibbles]
-    return torch.cat(raw, dim=-1).reshape(rows, -1).contiguous()
+    return torch.cat([d, m, q[..., :16] | (q[..., 16:] << 4)], dim=-1).reshape(rows, -1).contiguous()
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")
-def test_q4_1_rows_compute_the_bits_of_their_float32_weights_at_every_row_count():
-    """The kernel over Q4_1 rows rebuilds each weight as float32 d * q + m (the product is exact) and sums the
-    same products in the same order as over the dequantized float32 weights: the same bits at 1..40 rows
-    (every tile shape), and the dequantization the runner checks rows with is the one the kernel computes."""
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_gguf_rows_compute_the_bits_of_their_float32_weights_at_every_row_count(kind):
+    """The kernel over GGUF rows rebuilds each weight in float32 (d * q + m, d * q: the product is exact) and
+    sums the same products in the same order as over the dequantized float32 weights: the same bits at 1..40
+    rows (every tile shape), and the dequantization the runner checks rows with is the one the kernel computes."""
     generator = torch.Generator().manual_seed(0)
-    blocks = random_q4_1(301, 192, generator)  # an odd number of outputs: the remainder columns run
-    weight = dequantize_q4_1(blocks)
+    blocks = random_gguf_rows(kind, 301, 192, generator)  # an odd number of outputs: the remainder columns run
+    weight = dequantize(blocks, 192)
     x = torch.randn(40, 192, generator=generator)
     for m in range(1, 41):
         got = torch.ops.specdecode.few_rows_linear(x[:m], blocks)
         assert torch.equal(got, torch.ops.specdecode.few_rows_linear(x[:m], weight)), m
     torch.testing.assert_close(got, x @ weight.T, atol=1e-4, rtol=1e-5)
-    with pytest.raises(RuntimeError, match="Q4_1 blocks"):
+    with pytest.raises(RuntimeError, match="Q4_1 or Q8_0 blocks"):
         torch.ops.specdecode.few_rows_linear(x[:, :160], blocks)
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")
-def test_the_default_target_streams_its_gguf_q4_1_rows_with_the_same_logits(smollm2):
-    """SmolLM2's decoder linears are Q4_1 in its GGUF: the runner finds every one's rows (q and k reordered as
-    the conversion reordered them), and a pass through them computes the float32 plan's logits bit for bit."""
+def test_the_default_target_streams_its_gguf_rows_with_the_same_logits(smollm2):
+    """SmolLM2's decoder linears are Q4_1 in its GGUF and its tied LM head Q8_0: the runner finds every one's
+    rows (q and k reordered as the conversion reordered them), and a pass through them computes the float32
+    plan's logits bit for bit."""
     if smollm2.dtype != torch.float32:
-        pytest.skip("Q4_1 rows serve float32 targets; this machine chose bfloat16")
-    linears = [lin for layer in smollm2.runner.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        pytest.skip("GGUF rows serve float32 targets; this machine chose bfloat16")
+    linears = smollm2.runner.linears()
     assert all(lin.blocks is not None for lin in linears)
-    assert all(torch.equal(dequantize_q4_1(lin.blocks), lin.weight) for lin in linears)
+    assert all(torch.equal(dequantize(lin.blocks, lin.weight.shape[1]), lin.weight) for lin in linears)
     ids = torch.tensor(smollm2.encode("Name three rivers in Europe."))
-    plans = [dict(lin.plan) for lin in smollm2.runner.linears()]
+    plans = [dict(lin.plan) for lin in linears]
     outputs = {}
     try:
-        for kernel in ("few-rows-q4", "few-rows"):
-            for lin in smollm2.runner.linears():
+        for kernel in ("few-rows-gguf", "few-rows"):
+            for lin in linears:
                 lin.plan = {b: kernel if b <= FEW_ROWS_MAX else k for b, k in lin.plan.items()}
             smollm2.reset()
             smollm2.forward(ids[:-3], logits=False)
             outputs[kernel] = [smollm2.forward(ids[-3:-2]).logits, smollm2.forward(ids[-2:]).logits]
     finally:
-        for lin, plan in zip(smollm2.runner.linears(), plans, strict=True):
+        for lin, plan in zip(linears, plans, strict=True):
             lin.plan = plan
         smollm2.reset()
-    for a, b in zip(outputs["few-rows-q4"], outputs["few-rows"], strict=True):
+    for a, b in zip(outputs["few-rows-gguf"], outputs["few-rows"], strict=True):
         assert torch.equal(a, b)
 
 

@@ -1,10 +1,11 @@
-"""The GGUF's own Q4_1 rows beside the float32 weights converted from them, for the few-rows kernel.
+"""The GGUF's own quantized rows beside the float32 weights converted from them, for the few-rows kernel.
 
-Why: the registry's targets ship as GGUF files whose decoder linears are Q4_1 (20 bytes for 32 weights);
-converted to float32 they are 6.4x the bytes a decode step streams. A Q4_1 weight is d * q + m, with d and m
-float16 and q four bits: d * q is exact in float32, so a weight rebuilt in registers is the very float32 value
-the conversion wrote, and the kernel (csrc/runner_kernels.cpp) sums the same products in the same order as over
-the float32 weights: the same bits at a fifth of the bytes. Rows are kept only where that holds exactly: every
+Why: the registry's targets ship as GGUF files whose decoder linears are Q4_1 (20 bytes for 32 weights) and
+whose embedding, SmolLM2's LM head too, is Q8_0 (34 bytes); converted to float32 they are 6.4x and 3.8x the
+bytes a decode step streams. A Q4_1 weight is d * q + m and a Q8_0 weight d * q, with d and m float16 and q
+four or eight bits: d * q is exact in float32, so a weight rebuilt in registers is the very float32 value the
+conversion wrote, and the kernel (csrc/runner_kernels.cpp) sums the same products in the same order as over the
+float32 weights: the same bits at a fraction of the bytes. Rows are kept only where that holds exactly: every
 row of the converted weight is found among the dequantized GGUF rows (the conversion reorders the rows of q
 and k for its rotary layout). Found once per converted folder and cached inside it.
 """
@@ -18,8 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-Q4_1_BYTES = 20  # a block: float16 d, float16 m, 16 bytes of 4-bit q for 32 weights
-CACHE_FILE = "q4_1-rows.safetensors"
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights: float16 d (and m), then 4-bit or 8-bit q
+CACHE_FILE = "gguf-rows.safetensors"
 SOURCE_MARKER = "specdecode-source.json"  # written by the registry's conversion: {"gguf": path, ...}
 _GGUF_TO_HF = {
     "attn_q": "self_attn.q_proj",
@@ -30,13 +31,17 @@ _GGUF_TO_HF = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_HEAD = {"output.weight": "lm_head.weight", "token_embd.weight": "lm_head.weight"}  # the embedding: a tied head
 
 
-def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_1 rows (N, K / 32 * 20) uint8 -> (N, K) float32, as the conversion and the kernel compute them."""
+def dequantize(blocks: torch.Tensor, inputs: int) -> torch.Tensor:
+    """Q4_1 rows (N, inputs / 32 * 20) or Q8_0 rows (N, inputs / 32 * 34), uint8 -> (N, inputs) float32, as the
+    conversion and the kernel compute them."""
     rows = blocks.shape[0]
-    b = blocks.view(rows, -1, Q4_1_BYTES)
+    b = blocks.view(rows, inputs // 32, -1)
     d = b[..., 0:2].contiguous().view(torch.float16).float()
+    if b.shape[-1] == BLOCK_BYTES["Q8_0"]:
+        return (d * b[..., 2:].contiguous().view(torch.int8).float()).reshape(rows, -1)
     m = b[..., 2:4].contiguous().view(torch.float16).float()
     q = b[..., 4:]
     q = torch.cat([q & 15, q >> 4], dim=-1).float()  # weight t < 16: low nibble of byte t; else high of t - 16
@@ -45,7 +50,7 @@ def dequantize_q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 def _in_weight_order(blocks: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """`blocks` reordered so that row i rebuilds row i of `weight` exactly, or None where some row is not there."""
-    values = dequantize_q4_1(blocks)
+    values = dequantize(blocks, weight.shape[1])
     if torch.equal(values, weight):
         return blocks
     index = {row.numpy().tobytes(): i for i, row in enumerate(values)}
@@ -53,9 +58,9 @@ def _in_weight_order(blocks: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return None if None in order else blocks[order].contiguous()
 
 
-def q4_1_rows(source: str | Path | None, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """{name: Q4_1 rows} for the float32 decoder linears of `weights` (HF names) that the GGUF behind the
-    converted folder `source` holds as Q4_1; {} for a folder converted from nothing we know."""
+def gguf_rows(source: str | Path | None, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{name: rows} for the float32 linears of `weights` (HF names: the decoder's, the LM head) that the GGUF
+    behind the converted folder `source` holds as Q4_1 or Q8_0; {} for a folder converted from nothing we know."""
     folder = Path(source) if source else None
     if folder is None or not (folder / SOURCE_MARKER).exists():
         return {}
@@ -65,8 +70,12 @@ def q4_1_rows(source: str | Path | None, weights: dict[str, torch.Tensor]) -> di
             rows = load_file(str(cached))
         except Exception:  # a truncated cache (a killed first run): found again below
             rows = None
-        if rows is not None:  # kept where it still rebuilds the weights exactly (0.2 s for SmolLM2's 210)
-            return {n: r for n, r in rows.items() if n in weights and torch.equal(dequantize_q4_1(r), weights[n])}
+        if rows is not None:  # kept where it still rebuilds the weights exactly (0.3 s for SmolLM2's 211)
+            return {
+                n: r
+                for n, r in rows.items()
+                if n in weights and torch.equal(dequantize(r, weights[n].shape[1]), weights[n])
+            }
     gguf_path = Path(json.loads((folder / SOURCE_MARKER).read_text()).get("gguf", ""))
     if not gguf_path.is_file():
         return {}
@@ -75,14 +84,17 @@ def q4_1_rows(source: str | Path | None, weights: dict[str, torch.Tensor]) -> di
     rows = {}
     for tensor in gguf.GGUFReader(gguf_path).tensors:
         found = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor.name)
-        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or not found or found[2] not in _GGUF_TO_HF:
+        if found and found[2] in _GGUF_TO_HF:
+            name = f"model.layers.{found[1]}.{_GGUF_TO_HF[found[2]]}.weight"
+        elif tensor.name in _HEAD and not (tensor.name == "token_embd.weight" and "lm_head.weight" in rows):
+            name = _HEAD[tensor.name]
+        else:
             continue
-        name = f"model.layers.{found[1]}.{_GGUF_TO_HF[found[2]]}.weight"
-        weight = weights.get(name)
-        if weight is None or weight.dtype != torch.float32 or weight.shape[1] % 32:
+        weight, kind = weights.get(name), tensor.tensor_type.name
+        if weight is None or weight.dtype != torch.float32 or weight.shape[1] % 32 or kind not in BLOCK_BYTES:
             continue
         blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-        if blocks.shape != (weight.shape[0], weight.shape[1] // 32 * Q4_1_BYTES):
+        if blocks.shape != (weight.shape[0], weight.shape[1] // 32 * BLOCK_BYTES[kind]):
             continue
         ordered = _in_weight_order(blocks, weight)
         if ordered is not None:

@@ -41,7 +41,7 @@ from specdecode.paths import cache_dir
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a pass with M rows uses the plan of the smallest bucket >= M
 FEW_ROWS_MAX = 16
-KERNELS = ("auto", "stock", "onednn", "few-rows", "few-rows-q4")
+KERNELS = ("auto", "stock", "onednn", "few-rows", "few-rows-gguf")
 
 
 @functools.cache
@@ -155,7 +155,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: torch.Tensor | None = None):
         self.weight = weight.contiguous()
         self.bias = bias
-        self.blocks = blocks  # the same float32 weight as GGUF Q4_1 rows (models/gguf_rows.py), where known
+        self.blocks = blocks  # the same float32 weight as GGUF Q4_1 or Q8_0 rows (models/gguf_rows.py), if known
         self.plan: dict[int, str] = {}  # row bucket -> kernel; missing buckets use stock
         self._packed: torch.Tensor | None = None
         self._panels: torch.Tensor | None = None
@@ -169,9 +169,9 @@ class Linear:
         return self._panels
 
     def few_rows_weight(self, kernel: str) -> torch.Tensor:
-        """What the few-rows kernel reads under `kernel`: with `few-rows-q4`, the Q4_1 rows where this linear has
+        """What the few-rows kernel reads under `kernel`: with `few-rows-gguf`, the GGUF rows where this linear has
         them (the same bits as its float32 weight, a fifth of the bytes)."""
-        return self.blocks if kernel == "few-rows-q4" and self.blocks is not None else self.kernel_weight
+        return self.blocks if kernel == "few-rows-gguf" and self.blocks is not None else self.kernel_weight
 
     def pack_onednn(self) -> None:
         if self._packed is None:
@@ -270,11 +270,11 @@ def candidates(dtype: torch.dtype, rows: int, exact: bool = False, quantized: bo
     """The kernels that may run `rows` rows; with `exact`, only the few-rows kernel up to `FEW_ROWS_MAX` rows,
     and at every row count where bfloat16 weights run as panels (then a prefill or a batch of requests computes
     each row as one request alone would: mixing kernels across buckets moved bfloat16 logits by up to 0.5).
-    With `quantized` (float32 linears that also have their Q4_1 rows) the kernel over those rows too: it
+    With `quantized` (float32 linears that also have their GGUF rows) the kernel over those rows too: it
     computes the same bits as over the float32 weights, so it stays a candidate of an exact plan."""
     if dtype in (torch.float32, torch.bfloat16) and cpu_kernels_available():
         panels = dtype == torch.bfloat16 and torch.ops.specdecode.bfloat16_panels()
-        few_rows = ["few-rows", "few-rows-q4"] if quantized and dtype == torch.float32 else ["few-rows"]
+        few_rows = ["few-rows", "few-rows-gguf"] if quantized and dtype == torch.float32 else ["few-rows"]
         if exact and (rows <= FEW_ROWS_MAX or panels):
             return few_rows
         return ["stock", *_library_kernels(dtype), *few_rows]

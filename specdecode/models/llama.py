@@ -238,7 +238,7 @@ class _Layer:
 
 def _fuse(modules: list[torch.nn.Linear], blocks: list[torch.Tensor | None]) -> Linear:
     """One matrix for several projections of the same input; the HF modules are repointed at its rows. Their
-    Q4_1 rows (`blocks`, None where unknown) are joined the same way where every projection has them."""
+    GGUF rows (`blocks`, None where unknown) are joined the same way where every projection has them."""
     weight = torch.cat([m.weight.detach() for m in modules])
     biases = [m.bias for m in modules]
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
@@ -255,7 +255,7 @@ def _fuse(modules: list[torch.nn.Linear], blocks: list[torch.Tensor | None]) -> 
 class LlamaRunner:
     """The forward of a loaded HF Llama-family model over `Rows` of new tokens with a `KVCache`."""
 
-    def __init__(self, hf_model, kernel: str = "auto", q4_1_rows: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(self, hf_model, kernel: str = "auto", gguf_rows: dict[str, torch.Tensor] | None = None) -> None:
         c = hf_model.config
         self.config = c
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -280,8 +280,8 @@ class LlamaRunner:
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
 
-            def rows(module: str, i: int = i) -> torch.Tensor | None:  # its Q4_1 rows (models/gguf_rows.py)
-                return (q4_1_rows or {}).get(f"model.layers.{i}.{module}.weight")
+            def rows(module: str, i: int = i) -> torch.Tensor | None:  # its GGUF rows (models/gguf_rows.py)
+                return (gguf_rows or {}).get(f"model.layers.{i}.{module}.weight")
 
             q_norm = getattr(attn, "q_norm", None)
             self.layers.append(
@@ -301,7 +301,7 @@ class LlamaRunner:
             )
         self.norm = vector(inner.norm.weight)
         head = hf_model.get_output_embeddings()
-        self.lm_head = Linear(head.weight.detach(), head.bias)
+        self.lm_head = Linear(head.weight.detach(), head.bias, (gguf_rows or {}).get("lm_head.weight"))
         self.rotary = inner.rotary_emb  # HF's own inverse frequencies and scaling: every rope type is covered
         self._rope_table(c.max_position_embeddings)
         signature = {"model": c.model_type, "hidden": c.hidden_size, "layers": len(self.layers), "dtype": str(weights)}
@@ -311,7 +311,7 @@ class LlamaRunner:
         plain = all(lin.bias is None for lin in self.linears()) and all(lay.q_norm is None for lay in self.layers)
         self.layer_weights: dict[str, list[torch.Tensor]] = {}  # per few-rows kernel
         if self.fused and plain:
-            for k in ("few-rows", "few-rows-q4"):
+            for k in ("few-rows", "few-rows-gguf"):
                 self.layer_weights[k] = [w for lay in self.layers for w in lay.loop_weights(k)]
 
     def linears(self) -> list[Linear]:

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, PreTrainedT
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models import registry
-from specdecode.models.gguf_rows import q4_1_rows
+from specdecode.models.gguf_rows import gguf_rows
 from specdecode.models.linear import KERNELS, FrozenLinear, bfloat16_is_faster, cpu_kernels_available
 from specdecode.models.llama import KVCache, LlamaRunner, Output, Rows, unsupported_reason
 
@@ -87,7 +87,7 @@ class Target:
         self.runner = None
         if self.fallback_reason is None:
             quantized = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels_available()
-            rows = q4_1_rows(source, model.state_dict()) if quantized else {}
+            rows = gguf_rows(source, model.state_dict()) if quantized else {}
             self.runner = LlamaRunner(model, kernel, rows)
         self.kernel = kernel if self.runner else "hf"
         self.capture_layers: list[int] = []

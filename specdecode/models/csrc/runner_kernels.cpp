@@ -187,22 +187,29 @@ __attribute__((noinline)) static void tile(const at::BFloat16* X, const at::BFlo
 }
 #endif
 
-// A row of a GGUF Q4_1 matrix is K / 32 blocks of 32 weights: weight t of a block is d * q_t + m, with d and m
-// float16 and q_t four bits (the low nibble of byte t for t < 16, else the high nibble of byte t - 16). Here
-// the blocks are read as stored (20 bytes for 32 weights: a fifth of float32's bytes) and each weight is
-// rebuilt in registers as float32 d * q_t + m: the product is exact (11 by 4 bits), so the weight is bit for
-// bit the float32 value the model was converted to, and every output sums the same products in the same order
-// as the float32 tile: the same bits as the float32 weights, at any M.
+// GGUF rows: a row of a Q4_1 or Q8_0 matrix is K / 32 blocks of 32 weights. Q4_1: weight t is d * q_t + m, with
+// d and m float16 and q_t four bits (the low nibble of byte t for t < 16, else the high nibble of byte t - 16),
+// 20 bytes a block. Q8_0: weight t is d * q_t with q_t a signed byte, 34 bytes a block. Here the blocks are
+// read as stored and each weight is rebuilt in registers in float32: d * q is exact (11 by 4 or 8 bits), so the
+// weight is bit for bit the float32 value the model was converted to, and every output sums the same products
+// in the same order as the float32 tile: the same bits as the float32 weights, at any M, for a fifth (Q4_1) or
+// a quarter (Q8_0) of the bytes.
 struct Q4_1 {
   uint16_t d, m;
   uint8_t q[16];
 };
-static_assert(sizeof(Q4_1) == 20, "a Q4_1 block is 20 bytes");
+struct Q8_0 {
+  uint16_t d;
+  int8_t q[32];
+};
+static_assert(sizeof(Q4_1) == 20 && sizeof(Q8_0) == 34, "GGUF blocks are 20 and 34 bytes");
 
 typedef uint8_t u8v __attribute__((vector_size(kLanes)));
+typedef int8_t s8v __attribute__((vector_size(kLanes)));
 typedef int32_t i32v __attribute__((vector_size(kLanes * 4)));
 
-// kLanes bytes widened to 32-bit lanes (one vpmovzxbd where the compiler would go byte by byte).
+// kLanes bytes widened to 32-bit lanes, unsigned or signed (one vpmovzxbd / vpmovsxbd where the compiler would
+// go byte by byte).
 static inline i32v widen_bytes(const uint8_t* p) {
 #if defined(__AVX512F__)
   return (i32v)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -215,10 +222,16 @@ static inline i32v widen_bytes(const uint8_t* p) {
 #endif
 }
 
-// Weights part * kLanes .. part * kLanes + kLanes - 1 of a block, given its d and m as float32.
-static inline vf q4_1_weights(const Q4_1& block, int part, vf d, vf m) {
-  const i32v q = (widen_bytes(block.q + part * kLanes % 16) >> (part * kLanes / 16 * 4)) & 15;
-  return d * __builtin_convertvector(q, vf) + m;
+static inline i32v widen_bytes(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (i32v)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  return (i32v)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  s8v bytes;
+  __builtin_memcpy(&bytes, p, sizeof(bytes));
+  return __builtin_convertvector(bytes, i32v);
+#endif
 }
 
 // A float16 (its bits) as float32 in every lane: exact, and in hardware where the CPU has F16C.
@@ -232,22 +245,35 @@ static inline vf half_splat(uint16_t bits) {
 #endif
 }
 
-template <int NB, int MB, Ask A>
-__attribute__((noinline)) static void tile(const float* X, const Q4_1* W, float* Y, int64_t m0, int64_t n, int64_t K,
-                                           int64_t N, Share) {
+// Weights part * kLanes .. part * kLanes + kLanes - 1 of a block, from its d and m (Q4_1) as float32 vectors.
+static inline vf block_weights(const Q4_1& block, int part, vf d, vf m) {
+  const i32v q = (widen_bytes(block.q + part * kLanes % 16) >> (part * kLanes / 16 * 4)) & 15;
+  return d * __builtin_convertvector(q, vf) + m;
+}
+
+static inline vf block_weights(const Q8_0& block, int part, vf d, vf) {
+  return d * __builtin_convertvector(widen_bytes(block.q + part * kLanes), vf);
+}
+
+static inline vf block_min(const Q4_1& block) { return half_splat(block.m); }
+static inline vf block_min(const Q8_0&) { return vf{}; }
+
+template <int NB, int MB, typename B>
+static void block_tile(const float* X, const B* W, float* Y, int64_t m0, int64_t n, int64_t K, int64_t N) {
   const int64_t blocks = K / 32;
   vf acc[NB][MB] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     vf d[NB], m[NB];
     for (int j = 0; j < NB; ++j) {
-      const Q4_1& block = W[(n + j) * blocks + b];
+      const B& block = W[(n + j) * blocks + b];
       d[j] = half_splat(block.d);
-      m[j] = half_splat(block.m);
+      m[j] = block_min(block);
+      __builtin_prefetch(&W[(n + NB + j) * blocks + b]);  // the next column, as the float32 tile asks
     }
     for (int part = 0; part < 32 / kLanes; ++part) {
       const int64_t k = b * 32 + part * kLanes;
       vf w[NB];
-      for (int j = 0; j < NB; ++j) w[j] = q4_1_weights(W[(n + j) * blocks + b], part, d[j], m[j]);
+      for (int j = 0; j < NB; ++j) w[j] = block_weights(W[(n + j) * blocks + b], part, d[j], m[j]);
       for (int i = 0; i < MB; ++i) {
         const vf xv = load_v(X + (m0 + i) * K + k);
         for (int j = 0; j < NB; ++j) acc[j][i] = fma_v(xv, w[j], acc[j][i]);
@@ -255,6 +281,18 @@ __attribute__((noinline)) static void tile(const float* X, const Q4_1* W, float*
     }
   }
   store_tile<NB, MB>(acc, X, static_cast<const float*>(nullptr), Y, m0, n, K, N, K);  // K % 32 == 0: no tail
+}
+
+template <int NB, int MB, Ask A>
+__attribute__((noinline)) static void tile(const float* X, const Q4_1* W, float* Y, int64_t m0, int64_t n, int64_t K,
+                                           int64_t N, Share) {
+  block_tile<NB, MB>(X, W, Y, m0, n, K, N);
+}
+
+template <int NB, int MB, Ask A>
+__attribute__((noinline)) static void tile(const float* X, const Q8_0* W, float* Y, int64_t m0, int64_t n, int64_t K,
+                                           int64_t N, Share) {
+  block_tile<NB, MB>(X, W, Y, m0, n, K, N);
 }
 
 // One tile of exactly `rows` input rows (1 .. MB) from m0.
@@ -329,9 +367,10 @@ static void linear_by_rows(const X* x, const T* W, float* Y, int64_t M, int64_t 
   }
 }
 
-// Q4_1 rows: one row, one tile streaming the blocks as the float32 kernel does; more rows share each rebuilt
-// weight vector in tiles of up to 8 rows (one weight row: its d and m and the rebuilt weights take registers).
-static void q4_1_linear(const float* x, const Q4_1* W, float* Y, int64_t M, int64_t K, int64_t N) {
+// GGUF rows: four weight rows at a time at one input row (four chains of FMAs), 2 x 4 tiles up to four rows,
+// then one weight row against up to 8 input rows (each rebuilt weight vector serves the whole tile).
+template <typename B>
+static void block_linear(const float* x, const B* W, float* Y, int64_t M, int64_t K, int64_t N) {
   if (M == 1) {
     linear<4, 1, false>(x, W, Y, M, K, N);
   } else if (M <= 4) {
@@ -430,7 +469,7 @@ bool bfloat16_panels() {
 #endif
 }
 
-// x float32; w float32 or bfloat16 (N, K), bfloat16 panels (see panel_linear) or Q4_1 blocks; y float32.
+// x float32; w float32 or bfloat16 (N, K), bfloat16 panels (see panel_linear) or GGUF rows; y float32.
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
 #if defined(__AVX512BF16__)
   if (w.dim() == 3) {
@@ -439,14 +478,21 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
     return panel_linear(x.contiguous(), w);
   }
 #endif
-  if (w.scalar_type() == at::kByte) {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0 && w.dim() == 2 &&
-                    w.is_contiguous() && w.size(1) == x.size(1) / 32 * static_cast<int64_t>(sizeof(Q4_1)),
-                "few_rows_linear: float32 x (M, K), Q4_1 blocks w (N, K / 32 * 20)");
+  if (w.scalar_type() == at::kByte) {  // GGUF rows: the row width tells Q4_1 from Q8_0
+    const int64_t K = x.dim() == 2 ? x.size(1) : 0, width = w.dim() == 2 ? w.size(1) : -1;
+    const bool q4_1 = width == K / 32 * static_cast<int64_t>(sizeof(Q4_1));
+    TORCH_CHECK(x.scalar_type() == at::kFloat && K % 32 == 0 && w.is_contiguous() &&
+                    (q4_1 || width == K / 32 * static_cast<int64_t>(sizeof(Q8_0))),
+                "few_rows_linear: float32 x (M, K), Q4_1 or Q8_0 blocks w (N, K / 32 * 20 or 34)");
     x = x.contiguous();
     auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-    q4_1_linear(x.data_ptr<float>(), reinterpret_cast<const Q4_1*>(w.data_ptr<uint8_t>()), y.data_ptr<float>(),
-                x.size(0), x.size(1), w.size(0));
+    const uint8_t* blocks = w.data_ptr<uint8_t>();
+    if (q4_1)
+      block_linear(x.data_ptr<float>(), reinterpret_cast<const Q4_1*>(blocks), y.data_ptr<float>(), x.size(0), K,
+                   w.size(0));
+    else
+      block_linear(x.data_ptr<float>(), reinterpret_cast<const Q8_0*>(blocks), y.data_ptr<float>(), x.size(0), K,
+                   w.size(0));
     return y;
   }
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "few_rows_linear: x (M, K), w (N, K)");
