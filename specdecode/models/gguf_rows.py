@@ -48,6 +48,19 @@ def dequantize(blocks: torch.Tensor, inputs: int) -> torch.Tensor:
     return (d * q + m).reshape(rows, -1)
 
 
+def _rebuilds(blocks: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `blocks` are Q4_1 or Q8_0 rows that rebuild `weight` exactly."""
+    widths = {weight.shape[1] // 32 * size for size in BLOCK_BYTES.values()}
+    return (
+        blocks.dtype == torch.uint8
+        and weight.shape[1] % 32 == 0
+        and blocks.dim() == 2
+        and blocks.shape[0] == weight.shape[0]
+        and blocks.shape[1] in widths
+        and torch.equal(dequantize(blocks, weight.shape[1]), weight)
+    )
+
+
 def _in_weight_order(blocks: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """`blocks` reordered so that row i rebuilds row i of `weight` exactly, or None where some row is not there."""
     values = dequantize(blocks, weight.shape[1])
@@ -71,11 +84,7 @@ def gguf_rows(source: str | Path | None, weights: dict[str, torch.Tensor]) -> di
         except Exception:  # a truncated cache (a killed first run): found again below
             rows = None
         if rows is not None:  # kept where it still rebuilds the weights exactly (0.3 s for SmolLM2's 211)
-            return {
-                n: r
-                for n, r in rows.items()
-                if n in weights and torch.equal(dequantize(r, weights[n].shape[1]), weights[n])
-            }
+            return {n: r for n, r in rows.items() if n in weights and _rebuilds(r, weights[n])}
     gguf_path = Path(json.loads((folder / SOURCE_MARKER).read_text()).get("gguf", ""))
     if not gguf_path.is_file():
         return {}
@@ -100,6 +109,9 @@ def gguf_rows(source: str | Path | None, weights: dict[str, torch.Tensor]) -> di
         if ordered is not None:
             rows[name] = ordered
     partial = cached.with_suffix(".partial")
-    save_file(rows, str(partial))
-    os.replace(partial, cached)
+    try:
+        save_file(rows, str(partial))
+        os.replace(partial, cached)
+    except OSError:  # a read-only folder: found again next time
+        partial.unlink(missing_ok=True)
     return rows

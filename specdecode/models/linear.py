@@ -152,7 +152,9 @@ def stable_digest(value) -> str:
 class Linear:
     """y = x W^T (+ b) with one kernel per row bucket; `weight` (N, K) is kept as loaded, packed copies beside it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: torch.Tensor | None = None):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: torch.Tensor | None = None
+    ) -> None:
         self.weight = weight.contiguous()
         self.bias = bias
         self.blocks = blocks  # the same float32 weight as GGUF Q4_1 or Q8_0 rows (models/gguf_rows.py), if known
@@ -170,7 +172,7 @@ class Linear:
 
     def few_rows_weight(self, kernel: str) -> torch.Tensor:
         """What the few-rows kernel reads under `kernel`: with `few-rows-gguf`, the GGUF rows where this linear has
-        them (the same bits as its float32 weight, a fifth of the bytes)."""
+        them (the same bits as its float32 weight, a fifth to a quarter of the bytes)."""
         return self.blocks if kernel == "few-rows-gguf" and self.blocks is not None else self.kernel_weight
 
     def pack_onednn(self) -> None:
