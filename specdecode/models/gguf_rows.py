@@ -95,7 +95,7 @@ def gguf_rows(source: str | Path | None, weights: dict[str, torch.Tensor]) -> di
         found = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor.name)
         if found and found[2] in _GGUF_TO_HF:
             name = f"model.layers.{found[1]}.{_GGUF_TO_HF[found[2]]}.weight"
-        elif tensor.name in _HEAD and not (tensor.name == "token_embd.weight" and "lm_head.weight" in rows):
+        elif tensor.name in _HEAD and _HEAD[tensor.name] not in rows:  # an untied head's own, or the embedding
             name = _HEAD[tensor.name]
         else:
             continue

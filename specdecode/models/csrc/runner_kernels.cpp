@@ -17,6 +17,8 @@
 // elsewhere the weights are widened exactly to float32 and the rows stay float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <type_traits>
 #if defined(__FMA__) || defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -204,31 +206,22 @@ struct Q8_0 {
 };
 static_assert(sizeof(Q4_1) == 20 && sizeof(Q8_0) == 34, "GGUF blocks are 20 and 34 bytes");
 
-typedef uint8_t u8v __attribute__((vector_size(kLanes)));
-typedef int8_t s8v __attribute__((vector_size(kLanes)));
 typedef int32_t i32v __attribute__((vector_size(kLanes * 4)));
 
-// kLanes bytes widened to 32-bit lanes, unsigned or signed (one vpmovzxbd / vpmovsxbd where the compiler would
-// go byte by byte).
-static inline i32v widen_bytes(const uint8_t* p) {
+// kLanes bytes widened to 32-bit lanes, as unsigned or signed as `Byte` (one vpmovzxbd / vpmovsxbd where the
+// compiler would go byte by byte).
+template <typename Byte>
+static inline i32v widen_bytes(const Byte* p) {
+  constexpr bool is_signed = std::is_signed<Byte>::value;
 #if defined(__AVX512F__)
-  return (i32v)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (i32v)(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
 #elif defined(__AVX2__)
-  return (i32v)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (i32v)(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
 #else
-  u8v bytes;
-  __builtin_memcpy(&bytes, p, sizeof(bytes));
-  return __builtin_convertvector(bytes, i32v);
-#endif
-}
-
-static inline i32v widen_bytes(const int8_t* p) {
-#if defined(__AVX512F__)
-  return (i32v)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#elif defined(__AVX2__)
-  return (i32v)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  s8v bytes;
+  typedef Byte bytes_v __attribute__((vector_size(kLanes)));
+  bytes_v bytes;
   __builtin_memcpy(&bytes, p, sizeof(bytes));
   return __builtin_convertvector(bytes, i32v);
 #endif
