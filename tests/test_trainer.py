@@ -307,6 +307,62 @@ def test_offline_cache_serves_what_the_target_computes(tmp_path, monkeypatch):
         write_feature_cache(target, layer_ids, tiny_examples(4, 4), tmp_path / "other")
 
 
+
+def test_online_features_on_an_accelerator_are_one_padded_pass_with_the_per_sequence_values(monkeypatch):
+    """Off the CPU a batch is one right-padded pass; a causal model's real positions cannot see the padding."""
+    target = tiny_target()
+    examples = tiny_examples(4, 5)
+    per_sequence = OnlineFeatures(target, [-1, 0]).batch(examples)
+    monkeypatch.setattr(target, "device", torch.device("meta"))  # takes the accelerator branch; runs on the CPU
+    padded = OnlineFeatures(target, [-1, 0]).batch(examples)
+    assert len({len(e.input_ids) for e in examples}) > 1  # the batch really is padded
+    for field in fields(padded):
+        if getattr(padded, field.name) is not None:
+            torch.testing.assert_close(getattr(padded, field.name), getattr(per_sequence, field.name))
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("cached_teacher", [False, True])
+def test_training_losses_keep_every_tensor_on_the_drafters_device(kind, cached_teacher, monkeypatch):
+    """Training on a GPU: no loss may build a tensor on the CPU and mix it in. The meta device stands in for the
+    accelerator (it refuses CPU operands as CUDA does, and has no data), so this runs on CPU-only machines."""
+    import torch.fx.experimental._config as fx_config
+
+    from specdecode.training import block_losses, eagle3_losses
+    from specdecode.training.recipes import build_block_drafter, build_eagle3_drafter
+
+    target = tiny_target(vocab_size=40, kernel="stock")
+    examples = tiny_examples(3, 7)
+    if kind == "eagle3":
+        model = build_eagle3_drafter(target, examples, draft_vocab_size=16, target_layer_ids=[0, 0, 0], num_anchors=4)
+        losses = eagle3_losses.training_losses
+    else:
+        model = build_block_drafter(kind, target, 1, 4, 8, target_layer_ids=[0], num_anchors=3, examples=examples,
+                                    draft_vocab_size=16)  # fmt: skip
+        losses = block_losses.training_losses
+    hidden = target.config.hidden_size
+    rows = [torch.randn(len(e.input_ids), hidden * (3 if kind == "eagle3" else 1)) for e in examples]
+    last = [torch.randn(len(e.input_ids), hidden) for e in examples]
+    teacher = [(torch.randn(len(e.input_ids)), torch.zeros(len(e.input_ids), dtype=torch.long)) for e in examples]
+    batch = collate(examples, rows, last, teacher if cached_teacher else None)
+
+    def to_meta(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(t, device="meta")
+
+    monkeypatch.setattr(torch.__future__, "get_overwrite_module_params_on_conversion", lambda: True)
+    model._apply(to_meta)
+    for frozen in model._frozen:  # the target's embedding and head live on the target's device
+        frozen._apply(to_meta)
+    for field in fields(batch):
+        if getattr(batch, field.name) is not None:
+            setattr(batch, field.name, to_meta(getattr(batch, field.name)))
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # eagle3 indexes its supervised rows
+        out = losses(model, batch, torch.Generator().manual_seed(0))
+        out["loss"].backward()
+    assert {value.device.type for value in out.values()} == {"meta"}
+    assert all(p.grad is None or p.grad.device.type == "meta" for p in model.parameters())
+
+
 if __name__ == "__main__":  # the subprocess side of the resume and DDP tests
     vanish = int(sys.argv[4]) if len(sys.argv) > 4 else None
     run_tiny_training(

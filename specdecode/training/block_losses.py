@@ -33,7 +33,8 @@ def sample_anchors(
     b, t = loss_mask.shape
     candidate = torch.zeros_like(loss_mask)
     candidate[:, :-1] = loss_mask[:, 1:]
-    scores = torch.rand(b, t, generator=generator).masked_fill(~candidate, 2.0)  # non-candidates sort last
+    scores = torch.rand(b, t, generator=generator).to(loss_mask.device)  # drawn on the CPU: the same on every device
+    scores = scores.masked_fill(~candidate, 2.0)  # non-candidates sort last
     order = scores.argsort(dim=1)[:, :num_anchors]
     valid = torch.gather(candidate, 1, order)
     order = torch.where(valid, order, torch.full_like(order, t))  # invalid ones sort after the valid
@@ -46,9 +47,10 @@ def block_attention_mask(anchors: torch.Tensor, attention_mask: torch.Tensor, bl
     """(B, 1, N*G, T + N*G) boolean: context before the block's anchor, plus the block itself."""
     b, n = anchors.shape
     t = attention_mask.shape[1]
-    sees_context = (torch.arange(t)[None, None, :] < anchors[:, :, None]) & attention_mask[:, None, :]
+    device = anchors.device
+    sees_context = (torch.arange(t, device=device)[None, None, :] < anchors[:, :, None]) & attention_mask[:, None, :]
     sees_context = sees_context.repeat_interleave(block, dim=1)  # (B, N*G, T)
-    block_id = torch.arange(n).repeat_interleave(block)
+    block_id = torch.arange(n, device=device).repeat_interleave(block)
     sees_block = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)
     return torch.cat([sees_context, sees_block], dim=-1)[:, None]
 
@@ -69,13 +71,13 @@ def training_losses(
     block, g = c.block_size, c.draft_length
     anchors, anchor_valid = sample_anchors(loss_mask, num_anchors or c.num_anchors, generator)
     n = anchors.shape[1]
-    block_positions = anchors[:, :, None] + torch.arange(block)  # (B, N, block)
-    offsets = torch.arange(g)
+    block_positions = anchors[:, :, None] + torch.arange(block, device=ids.device)  # (B, N, block)
+    offsets = torch.arange(g, device=ids.device)
     positions = anchors[:, :, None] + offsets  # (B, N, G): draft k is the next token after position a + k
 
     inputs = model.mask_input((b, n, block))
     inputs = torch.cat([model.embed(torch.gather(ids, 1, anchors))[:, :, None], inputs[:, :, 1:]], dim=2)
-    context_kv = model.context_kv(model.context(batch.layer_hidden), torch.arange(t).expand(b, t))
+    context_kv = model.context_kv(model.context(batch.layer_hidden), torch.arange(t, device=ids.device).expand(b, t))
     mask = block_attention_mask(anchors, batch.attention_mask, block)
     h = model.backbone(inputs.flatten(1, 2), block_positions.flatten(1, 2), context_kv, mask)
     h = model.prediction_states(h.view(b, n, block, -1))

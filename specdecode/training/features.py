@@ -107,7 +107,9 @@ def teacher_statistics(head, last_hidden: np.ndarray, bar: tqdm | None = None) -
 
 
 class OnlineFeatures:
-    """Runs the target on every batch, one sequence at a time (a padded batched pass differs in the last bits)."""
+    """Runs the target on every batch. On a CPU one sequence at a time (a padded batched pass differs in the last
+    bits); on an accelerator the whole batch in one right-padded pass, which a causal model's real positions
+    cannot see (one pass per sequence would leave a GPU idle between small kernels)."""
 
     def __init__(self, target: "Target", layer_ids: list[int]) -> None:
         if not layer_ids:
@@ -119,9 +121,19 @@ class OnlineFeatures:
     def batch(self, examples: list[Example]) -> FeatureBatch:
         if self.target.capture_layers != self.layer_ids:  # someone else used the target in between
             self.target.set_capture_layers(self.layer_ids)
-        passes = [self.target.features(example.input_ids) for example in examples]
+        if self.target.device.type == "cpu":
+            passes = [self.target.features(example.input_ids) for example in examples]
+            layer_hidden, last_hidden = [p.layer_hidden for p in passes], [p.last_hidden for p in passes]
+        else:
+            lengths = [len(example.input_ids) for example in examples]
+            ids = torch.zeros(len(examples), max(lengths), dtype=torch.long)
+            for row, example in enumerate(examples):
+                ids[row, : lengths[row]] = example.input_ids
+            out = self.target.run(ids, None, None, logits=False)
+            layer_hidden = [out.layer_hidden[row, :n] for row, n in enumerate(lengths)]
+            last_hidden = [out.last_hidden[row, :n] for row, n in enumerate(lengths)]
         # built outside inference mode, so the drafter's autograd may save these tensors for backward
-        return collate(examples, [p.layer_hidden for p in passes], [p.last_hidden for p in passes])
+        return collate(examples, layer_hidden, last_hidden)
 
 
 # ---------------------------------------------------------------------------- offline cache

@@ -94,7 +94,7 @@ def run_training(
         model = build_eagle3_drafter(target, train_set, target_layer_ids=layer_ids, **architecture)
     else:
         model = build_block_drafter(kind, target, target_layer_ids=layer_ids, examples=train_set, **architecture)
-    final = train(model, train_set, eval_set, source, config, out_dir)
+    final = train(model.to(target.device), train_set, eval_set, source, config, out_dir)
     if final.get("interrupted"):
         raise SpecDecodeError(f"training was interrupted; a checkpoint is in {out_dir}: run the same command to resume")
     if int(os.environ.get("RANK", "0")) != 0:
