@@ -307,7 +307,6 @@ def test_offline_cache_serves_what_the_target_computes(tmp_path, monkeypatch):
         write_feature_cache(target, layer_ids, tiny_examples(4, 4), tmp_path / "other")
 
 
-
 def test_online_features_on_an_accelerator_are_one_padded_pass_with_the_per_sequence_values(monkeypatch):
     """Off the CPU a batch is one right-padded pass; a causal model's real positions cannot see the padding."""
     target = tiny_target()
