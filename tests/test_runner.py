@@ -320,11 +320,12 @@ def test_the_default_target_streams_its_gguf_rows_with_the_same_logits(smollm2):
     assert all(torch.equal(dequantize(lin.blocks, lin.weight.shape[1]), lin.weight) for lin in linears)
     ids = torch.tensor(smollm2.encode("Name three rivers in Europe."))
     plans = [dict(lin.plan) for lin in linears]
-    outputs = {}
+    outputs, weights_read = {}, {}
     try:
         for kernel in ("few-rows-gguf", "few-rows"):
             for lin in linears:
                 lin.plan = {b: kernel if b <= FEW_ROWS_MAX else k for b, k in lin.plan.items()}
+            weights_read[kernel] = smollm2.runner.weight_bytes_read(1)
             smollm2.reset()
             smollm2.forward(ids[:-3], logits=False)
             outputs[kernel] = [smollm2.forward(ids[-3:-2]).logits, smollm2.forward(ids[-2:]).logits]
@@ -334,6 +335,10 @@ def test_the_default_target_streams_its_gguf_rows_with_the_same_logits(smollm2):
         smollm2.reset()
     for a, b in zip(outputs["few-rows-gguf"], outputs["few-rows"], strict=True):
         assert torch.equal(a, b)
+    # what a one-token pass reads (the premise's read roofline): the rows where the plan streams them
+    saved = sum(lin.weight.nbytes - lin.blocks.nbytes for lin in linears)
+    assert weights_read["few-rows"] - weights_read["few-rows-gguf"] == saved
+    assert weights_read["few-rows-gguf"] < 0.3 * weights_read["few-rows"]
 
 
 @pytest.mark.skipif(

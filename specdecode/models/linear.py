@@ -175,6 +175,12 @@ class Linear:
         them (the same bits as its float32 weight, a fifth to a quarter of the bytes)."""
         return self.blocks if kernel == "few-rows-gguf" and self.blocks is not None else self.kernel_weight
 
+    def bytes_read(self, rows: int) -> int:
+        """Bytes of weights a pass of `rows` rows streams through the kernel planned for them."""
+        kernel = self.plan.get(bucket(rows), "stock")
+        weight = self.few_rows_weight(kernel) if kernel.startswith("few-rows") else self.weight
+        return weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
     def pack_onednn(self) -> None:
         if self._packed is None:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 8)

@@ -319,6 +319,14 @@ class LlamaRunner:
             self.lm_head
         ]
 
+    def weight_bytes_read(self, rows: int) -> int:
+        """Bytes of weights one pass of `rows` rows reads: every linear's as its planned kernel streams them (GGUF
+        rows are a fifth to a quarter of float32), the norms, and the embedding rows of the tokens."""
+        norms = [t for layer in self.layers for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)]
+        vectors = sum(t.nbytes for t in [*norms, self.norm] if t is not None)
+        embedding_rows = rows * self.embedding.shape[1] * self.embedding.element_size()
+        return sum(lin.bytes_read(rows) for lin in self.linears()) + vectors + embedding_rows
+
     def new_cache(self, slots: int, capacity: int) -> KVCache:
         shape = (len(self.layers), slots, self.kv_heads, self.head_dim, capacity)
         return KVCache(*shape, self.cache_dtype, self.embedding.device)
