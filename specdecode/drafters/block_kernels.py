@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from specdecode.drafters.layers import FrozenRMSNorm
-from specdecode.models.linear import FrozenLinear, Linear, bucket, cpu_kernels_available
+from specdecode.models.linear import FrozenLinear, Linear, cpu_kernels_available
 from specdecode.models.llama import KVCache
 from specdecode.sampling import SamplingParams
 
@@ -75,7 +75,7 @@ class BlockKernels:
         """Whether a backbone pass of `tokens` block tokens takes the loop: always over bfloat16 panels (they keep
         up with the library kernels at any row count, as in the target runner; measured: 8 requests' blocks
         15.4 ms in Python on oneDNN, 10.9 ms in the loop), else where the measured plan runs the few-rows kernel."""
-        return self.qkv[0].kernel_weight.dim() == 3 or self.qkv[0].plan.get(bucket(tokens)) == "few-rows"
+        return self.qkv[0].kernel_weight.dim() == 3 or self.qkv[0].kernel_for(tokens) == "few-rows"
 
     @torch.inference_mode()
     def backbone(self, inputs: Tensor, positions: Tensor, cache: KVCache, starts: list[int]) -> Tensor:

@@ -175,9 +175,13 @@ class Linear:
         them (the same bits as its float32 weight, a fifth to a quarter of the bytes)."""
         return self.blocks if kernel == "few-rows-gguf" and self.blocks is not None else self.kernel_weight
 
+    def kernel_for(self, rows: int) -> str:
+        """The kernel planned for a pass of `rows` rows (stock where the plan has none)."""
+        return self.plan.get(bucket(rows), "stock")
+
     def bytes_read(self, rows: int) -> int:
         """Bytes of weights a pass of `rows` rows streams through the kernel planned for them."""
-        kernel = self.plan.get(bucket(rows), "stock")
+        kernel = self.kernel_for(rows)
         weight = self.few_rows_weight(kernel) if kernel.startswith("few-rows") else self.weight
         return weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
@@ -201,7 +205,7 @@ class Linear:
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, shape[-1])
-        kernel = self.plan.get(bucket(x.shape[0]), "stock")
+        kernel = self.kernel_for(x.shape[0])
         y = self.run(x.to(input_dtype(kernel, self.weight.dtype)), kernel).to(dtype)
         return y.view(*shape[:-1], y.shape[-1])
 

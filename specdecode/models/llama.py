@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdecode.models.linear import Linear, bucket, cpu_kernels_available, plan_kernels
+from specdecode.models.linear import Linear, cpu_kernels_available, plan_kernels
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -427,7 +427,7 @@ class LlamaRunner:
         cache whose linears take a few-rows kernel (their exact plan) in a model of the types it covers), else None."""
         if rows is None or rows.limits is None or cache.keys.device.type != "cpu":
             return None
-        return self.layer_weights.get(self.layers[0].qkv.plan.get(bucket(tokens), ""))
+        return self.layer_weights.get(self.layers[0].qkv.kernel_for(tokens))
 
     def _layers(self, x, cos, sin, cache, rows, packing, capture, captured) -> torch.Tensor:
         """The decoder layers in Python, for every pass (a reference for the C++ loop, which must match it bit

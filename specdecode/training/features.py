@@ -126,9 +126,7 @@ class OnlineFeatures:
             layer_hidden, last_hidden = [p.layer_hidden for p in passes], [p.last_hidden for p in passes]
         else:
             lengths = [len(example.input_ids) for example in examples]
-            ids = torch.zeros(len(examples), max(lengths), dtype=torch.long)
-            for row, example in enumerate(examples):
-                ids[row, : lengths[row]] = example.input_ids
+            ids = torch.nn.utils.rnn.pad_sequence([example.input_ids for example in examples], batch_first=True)
             out = self.target.run(ids, None, None, logits=False)
             layer_hidden = [out.layer_hidden[row, :n] for row, n in enumerate(lengths)]
             last_hidden = [out.last_hidden[row, :n] for row, n in enumerate(lengths)]
