@@ -13,28 +13,11 @@
 set -u -o pipefail
 BUDGET_S=${1:-500}
 BATCH=${BATCH:-32} SLOWDOWN=${SLOWDOWN:-4.5} MIN_STEPS=${MIN_STEPS:-50}  # overridable for a dry run on a CPU
-START=$(date +%s)
-WORK=${WORK:-/root}
-export PYTHONUNBUFFERED=1 XDG_CACHE_HOME=${XDG_CACHE_HOME:-$WORK/cache} TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=3
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/b/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-sd() { python3 -c 'import sys; from specdecode.cli import main; sys.argv[0] = "specdecode"; main()' "$@"; }
-log=$OUT/log.txt
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
-python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' | tee -a "$log"
+source tools/gpu/setup.sh
 
-cat "$PAYLOAD"/part-* .device/b/part-* >/tmp/target.tar && python3 tools/gpu/target_payload.py unpack /tmp/target.tar 2>&1 | tee -a "$log" || exit 1
-
-DATA=data/regenerated/smollm2-135m.npz
 COMMON=(--data "$DATA" --batch-size "$BATCH" --lr 6e-4 --eval-every 100 --save-every 100000)
 sd train --drafter dspark "${COMMON[@]}" --out $WORK/runs/smoke --max-steps 40 --max-conversations 1400 2>&1 | tail -3 | tee -a "$log"
-STEP_S=$(WORK=$WORK python3 - <<'EOF'
-import json, os, statistics
-rows = [json.loads(line) for line in open(f"{os.environ['WORK']}/runs/smoke/metrics.jsonl") if '"eval"' not in line]
-steps = [b["elapsed"] - a["elapsed"] for a, b in zip(rows, rows[1:])][-20:]  # warm-up took ~10 steps (stop 39)
-print(f"{statistics.median(steps):.4f}")
-EOF
-) || exit 1
+STEP_S=$(step_time $WORK/runs/smoke) || exit 1
 LEFT=$((BUDGET_S - ($(date +%s) - START) - 75))  # leave time to export and pack
 # five runs share the GPU: each step takes SLOWDOWN x its time alone (stop 39: 3.6-4.5x); at most 12 epochs
 STEPS=$(python3 -c "print(max($MIN_STEPS, min(12 * 20300 // $BATCH, int($LEFT / ($STEP_S * $SLOWDOWN)))))")
