@@ -25,23 +25,28 @@ def summary(run: Path) -> dict:
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [x for x in lines if not x.get("eval")]
     evals = [x for x in lines if x.get("eval")]
-    recipe = json.loads((run / "config.json").read_text())["recipe"]
-    training = recipe["training"]
+    config = json.loads((run / "config.json").read_text())
+    recipe, training = config["recipe"], config["recipe"]["training"]
+    init = recipe.get("init") or {}  # a continued run: its steps count on from the init's
+    offset = init.get("recipe", {}).get("final_metrics", {}).get("step", 0)
     return {
         "run": run.name,
-        "drafter": json.loads((run / "config.json").read_text())["kind"],
+        "drafter": config["kind"],
+        "anchors": config["architecture"].get("num_anchors"),
+        "init_steps": offset,
         "train_conversations": recipe["train_conversations"],
         "train_supervised_tokens": recipe["train_supervised_tokens"],
         "batch": training["micro_batch_size"],
         "planned_steps": training["max_steps"],
         "steps": steps[-1]["step"],
+        "steps_label": f"{offset}+" * bool(offset) + f"{steps[-1]['step']}/{training['max_steps']}",
         "epochs": round(steps[-1]["step"] * training["micro_batch_size"] / recipe["train_conversations"], 2),
         "training_s": round(steps[-1]["elapsed"], 1),
         "supervised_tokens_per_s": round(statistics.median(x["tokens_per_s"] for x in steps[10:]), 0),
         "accepted_length_t0": round(evals[-1]["simulated_accept_length_greedy"], 3),
         "accepted_length_t1": round(evals[-1]["simulated_accept_length"], 3),
         "acc_pos_1": round(evals[-1]["acc_pos_1"], 3),
-        "curve": [(x["step"], x["simulated_accept_length_greedy"], x["simulated_accept_length"]) for x in evals],
+        "curve": [(offset + x["step"], x["simulated_accept_length_greedy"], x["simulated_accept_length"]) for x in evals],
     }
 
 
@@ -54,16 +59,18 @@ def main() -> None:
     runs = [summary(Path(r)) for r in args.runs]
     rows = [
         f"| {r['run']} | {r['drafter']} | {r['train_conversations']} | {r['train_supervised_tokens'] / 1e6:.2f}M | "
-        f"{r['batch']} | {r['steps']}/{r['planned_steps']} | {r['epochs']} | {r['training_s']} | "
+        f"{r['batch']} | {r['anchors']} | {r['steps_label']} | {r['epochs']} | {r['training_s']} | "
         f"{r['supervised_tokens_per_s']:.0f} | {r['accepted_length_t0']:.2f} | {r['accepted_length_t1']:.2f} |"
         for r in runs
     ]
     table = (
         "Drafters trained on one NVIDIA H200 from the committed regenerated data (online target features, one "
         "right-padded bfloat16 target pass per batch, bfloat16 autocast). Held-out: the last evaluation on 32 "
-        "held-out conversations, simulated accepted length per round (target's token included).\n\n"
-        "| run | kind | train conversations | supervised tokens | batch | steps | epochs | seconds | "
-        "supervised tokens/s | held-out T=0 | held-out T=1 |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "held-out conversations, simulated accepted length per round (target's token included). Anchors: blocks "
+        "trained per sequence. Steps: run/planned, after the steps of the run a continued one started from. "
+        "Supervised tokens/s: the batches' answer tokens, whatever the anchors.\n\n"
+        "| run | kind | train conversations | supervised tokens | batch | anchors | steps | epochs | seconds | "
+        "supervised tokens/s | held-out T=0 | held-out T=1 |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
         + "\n".join(rows)
         + (f"\n\n{args.note}\n" if args.note else "\n")
     )
@@ -80,7 +87,7 @@ def main() -> None:
     fig.savefig(out / "h200_training.png", dpi=110)
     write_results(
         "h200_training", str(out), "smollm2-135m", runs, table + "\n![curves](h200_training.png)\n",
-        trained_on="one NVIDIA H200 (torch 2.11.0+cu130), lent for one session; this file was written on a CPU",
+        trained_on="one NVIDIA H200 (torch 2.11.0+cu130), lent for one session in stops 39 and 40; this file was written on a CPU",
     )  # fmt: skip
     print(table)
 
