@@ -46,7 +46,9 @@ def summary(run: Path) -> dict:
         "accepted_length_t0": round(evals[-1]["simulated_accept_length_greedy"], 3),
         "accepted_length_t1": round(evals[-1]["simulated_accept_length"], 3),
         "acc_pos_1": round(evals[-1]["acc_pos_1"], 3),
-        "curve": [(offset + x["step"], x["simulated_accept_length_greedy"], x["simulated_accept_length"]) for x in evals],
+        "curve": [
+            (offset + x["step"], x["simulated_accept_length_greedy"], x["simulated_accept_length"]) for x in evals
+        ],
     }
 
 
@@ -70,7 +72,8 @@ def main() -> None:
         "trained per sequence. Steps: run/planned, after the steps of the run a continued one started from. "
         "Supervised tokens/s: the batches' answer tokens, whatever the anchors.\n\n"
         "| run | kind | train conversations | supervised tokens | batch | anchors | steps | epochs | seconds | "
-        "supervised tokens/s | held-out T=0 | held-out T=1 |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "supervised tokens/s | held-out T=0 | held-out T=1 |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
         + "\n".join(rows)
         + (f"\n\n{args.note}\n" if args.note else "\n")
     )
@@ -87,7 +90,7 @@ def main() -> None:
     fig.savefig(out / "h200_training.png", dpi=110)
     write_results(
         "h200_training", str(out), "smollm2-135m", runs, table + "\n![curves](h200_training.png)\n",
-        trained_on="one NVIDIA H200 (torch 2.11.0+cu130), lent for one session in stops 39 and 40; this file was written on a CPU",
+        trained_on="one NVIDIA H200 (torch 2.11.0+cu130), lent for one session in stops 39 and 40; written on a CPU",
     )  # fmt: skip
     print(table)
 
