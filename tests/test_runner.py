@@ -30,6 +30,7 @@ from specdecode.models.linear import (
     plan_kernels,
 )
 from specdecode.models.llama import Rows, unsupported_reason
+from specdecode.models.registry import converted_dir
 from specdecode.models.target import Target
 from tests.conftest import tiny_llama, tiny_tokenizer
 
@@ -318,6 +319,8 @@ def test_the_default_target_streams_its_gguf_rows_with_the_same_logits(smollm2):
     linears = smollm2.runner.linears()
     assert all(lin.blocks is not None for lin in linears)
     assert all(torch.equal(dequantize(lin.blocks, lin.weight.shape[1]), lin.weight) for lin in linears)
+    # vLLM loads every *.safetensors of a model folder as weights: the rows' cache beside them must not be one
+    assert [p.name for p in converted_dir("smollm2-135m").glob("*.safetensors")] == ["model.safetensors"]
     ids = torch.tensor(smollm2.encode("Name three rivers in Europe."))
     plans = [dict(lin.plan) for lin in linears]
     outputs, weights_read = {}, {}

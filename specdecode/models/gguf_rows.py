@@ -7,7 +7,8 @@ four or eight bits: d * q is exact in float32, so a weight rebuilt in registers 
 conversion wrote, and the kernel (csrc/runner_kernels.cpp) sums the same products in the same order as over the
 float32 weights: the same bits at a fraction of the bytes. Rows are kept only where that holds exactly: every
 row of the converted weight is found among the dequantized GGUF rows (the conversion reorders the rows of q
-and k for its rotary layout). Found once per converted folder and cached inside it.
+and k for its rotary layout). Found once per converted folder and cached inside it, under a name that is not
+`*.safetensors`: vLLM loads every such file of a model folder as weights (and failed on the rows' widths).
 """
 
 import json
@@ -20,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights: float16 d (and m), then 4-bit or 8-bit q
-CACHE_FILE = "gguf-rows.safetensors"
+CACHE_FILE = "gguf-rows.cache"  # safetensors inside
+_OLD_CACHE_FILE = "gguf-rows.safetensors"  # before stop 40; renamed when found
 SOURCE_MARKER = "specdecode-source.json"  # written by the registry's conversion: {"gguf": path, ...}
 _GGUF_TO_HF = {
     "attn_q": "self_attn.q_proj",
@@ -78,6 +80,8 @@ def gguf_rows(source: str | Path | None, weights: dict[str, torch.Tensor]) -> di
     if folder is None or not (folder / SOURCE_MARKER).exists():
         return {}
     cached = folder / CACHE_FILE
+    if (folder / _OLD_CACHE_FILE).exists():
+        os.replace(folder / _OLD_CACHE_FILE, cached)
     if cached.exists():
         try:
             rows = load_file(str(cached))
