@@ -429,6 +429,8 @@ def test_fine_tuning_starts_from_the_given_drafter(tmp_path):
     saved = json.loads((path / "config.json").read_text())
     assert saved["architecture"]["calibration_temperatures"] == []
     assert saved["recipe"]["init"]["recipe"] == {"data": "first"}
+    assert saved["recipe"]["held_out_metrics"]["step"] == 2  # the last evaluation, beside the last step's batch
+    assert "simulated_accept_length" in saved["recipe"]["held_out_metrics"]
     with pytest.raises(SpecDecodeError, match="not a dflash one"):
         run_training(
             "dflash", target, "unused", tmp_path / "run2", config, str(cache), 64, 0.25, init=tmp_path / "init"

@@ -108,6 +108,7 @@ def run_training(
         "train_supervised_tokens": sum(int(e.loss_mask.sum()) for e in train_set),
         "held_out_conversations": len(eval_set),
         "max_length": max_length,
-        "final_metrics": {k: v for k, v in final.items() if isinstance(v, (int, float))},
+        "final_metrics": {k: v for k, v in final.items() if isinstance(v, (int, float))},  # the last step's batch
+        "held_out_metrics": final.get("eval") or {},  # the last held-out evaluation
     }
     return save_drafter(Path(out_dir) / "drafter", kind, model, model.config.to_dict(), target, recipe)

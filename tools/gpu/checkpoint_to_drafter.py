@@ -49,10 +49,11 @@ def main() -> None:
         "stopped_at": {"step": state["step"], "planned_steps": state["total_steps"], "elapsed_s": state["elapsed"]},
         "trained_on": args.note,
     }
-    recipe.pop("final_metrics", None)  # the init's
+    recipe.pop("final_metrics", None)  # the init's; this run's last step is in its metrics.jsonl
+    recipe.pop("held_out_metrics", None)
     if args.metrics:
         evals = [json.loads(x) for x in Path(args.metrics).read_text().splitlines() if '"eval"' in x]
-        recipe["final_metrics"] = evals[-1] if evals else {}
+        recipe["held_out_metrics"] = evals[-1] if evals else {}
     path = save_drafter(args.out, kind, model, model.config.to_dict(), target, recipe)
     print(f"drafter written to {path} (step {state['step']} of {state['total_steps']})")
 
