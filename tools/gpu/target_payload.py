@@ -2,7 +2,7 @@
 
 A GPU machine lent for a training run reaches no package registry, and what may travel there is far smaller than
 the converted float32 folder (514 MB for SmolLM2-135M). The GGUF rows the CPU runner already keeps
-(`gguf-rows.safetensors`, models/gguf_rows.py) rebuild every linear exactly, so the folder travels as those rows,
+(`gguf-rows.cache`, models/gguf_rows.py) rebuild every linear exactly, so the folder travels as those rows,
 the few tensors they do not cover, the config and the tokenizer (~96 MB), and is rebuilt there bit for bit:
 every tensor's sha256 is checked against the original's.
 
