@@ -11,6 +11,7 @@ from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.results import write_results
+from specdecode.training.trainer import read_metrics
 
 
 def run_summary(run_dir: str | Path) -> dict:
@@ -18,10 +19,9 @@ def run_summary(run_dir: str | Path) -> dict:
     run = Path(run_dir)
     try:
         config = json.loads((run / "drafter" / "config.json").read_text())
-        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        steps, evals = read_metrics(run)
     except (OSError, json.JSONDecodeError) as e:
         raise SpecDecodeError(f"{run} is not a finished training run ({e})") from e
-    evals = [x for x in lines if x.get("eval")]
     recipe = config.get("recipe", {})
     if not evals or "train_supervised_tokens" not in recipe:
         raise SpecDecodeError(f"{run} has no held-out evaluation or no count of its training tokens")
@@ -36,7 +36,7 @@ def run_summary(run_dir: str | Path) -> dict:
         "accepted_length_t0": round(last["simulated_accept_length_greedy"], 3),
         "accepted_length_t1": round(last["simulated_accept_length"], 3),
         "acc_pos_1": round(last["acc_pos_1"], 3),
-        "training_s": round(max((x.get("elapsed", 0.0) for x in lines), default=0.0), 1),
+        "training_s": round(max((x.get("elapsed", 0.0) for x in steps), default=0.0), 1),
     }
 
 

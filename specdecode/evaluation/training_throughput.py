@@ -7,7 +7,6 @@ beside today's (the reduced draft vocabulary, bfloat16 products, offline and onl
 counts supervised tokens (what the drafter learns from), as the trainer logs them.
 """
 
-import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -20,7 +19,7 @@ from specdecode.training.prompts import build_prompt_mix
 from specdecode.training.recipes import DEFAULT_DRAFT_VOCAB, build_block_drafter, default_layer_ids
 from specdecode.training.regenerate import RegenerationSettings, regenerate
 from specdecode.training.run import load_examples
-from specdecode.training.trainer import TrainConfig, train
+from specdecode.training.trainer import TrainConfig, read_metrics, train
 
 
 def run_training_throughput(
@@ -67,8 +66,7 @@ def run_training_throughput(
                 lambda m=model, f=features, d=run_dir, c=config: train(m, examples, examples[:4], f, c, d)
             )
             foreign.append(cores)
-            lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            speeds = [x["tokens_per_s"] for x in lines if not x.get("eval") and x["step"] > 1]  # step 1 warms up
+            speeds = [x["tokens_per_s"] for x in read_metrics(run_dir)[0] if x["step"] > 1]  # step 1 warms up
             runs.append(
                 {
                     "stage": "train",

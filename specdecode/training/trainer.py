@@ -471,6 +471,13 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
+def read_metrics(run: str | Path) -> tuple[list[dict], list[dict]]:
+    """A run folder's (or the file's own) metrics.jsonl: the per-step records and the held-out evaluations."""
+    path = Path(run) / METRICS if Path(run).is_dir() else Path(run)
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [x for x in lines if not x.get("eval")], [x for x in lines if x.get("eval")]
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop lines after `step` (and a torn last line), so a resumed curve has no duplicates."""
     if not path.exists():

@@ -15,9 +15,10 @@ cat "$PAYLOAD"/part-* .device/b/part-* >/tmp/target.tar && python3 tools/gpu/tar
 DATA=data/regenerated/smollm2-135m.npz
 
 step_time() {  # RUN_DIR: median seconds of the last 20 logged steps (stop 39: the first ~10 took 0.2-3 s, warm-up)
-    python3 - "$1/metrics.jsonl" <<'PY'
-import json, statistics, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if '"eval"' not in line][-21:]
+    python3 - "$1" <<'PY'
+import statistics, sys
+from specdecode.training.trainer import read_metrics
+rows = read_metrics(sys.argv[1])[0][-21:]
 print(f"{statistics.median(b['elapsed'] - a['elapsed'] for a, b in zip(rows, rows[1:])):.4f}")
 PY
 }

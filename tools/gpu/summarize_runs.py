@@ -19,12 +19,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from specdecode.evaluation.results import write_results  # noqa: E402
+from specdecode.training.trainer import read_metrics  # noqa: E402
 
 
 def summary(run: Path) -> dict:
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    steps = [x for x in lines if not x.get("eval")]
-    evals = [x for x in lines if x.get("eval")]
+    steps, evals = read_metrics(run)
     config = json.loads((run / "config.json").read_text())
     recipe, training = config["recipe"], config["recipe"]["training"]
     init = recipe.get("init") or {}  # a continued run: its steps count on from the init's
