@@ -11,6 +11,7 @@ from specdecode.drafters.checkpoint import load_drafter, read_config, save_draft
 from specdecode.drafters.dspark import BlockDrafter
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
+from specdecode.evaluation import calibration_report
 from specdecode.evaluation.calibration_report import mix_pool, record_rounds, unseen_prompts, write_calibration
 from specdecode.sampling import SamplingParams
 from specdecode.training.calibration import (
@@ -116,6 +117,31 @@ def test_calibration_refuses_a_drafter_without_confidences(tmp_path):
     save_drafter(tmp_path / "d", "dflash", model, model.config.to_dict(), target)
     with pytest.raises(SpecDecodeError, match="without a confidence head"):
         record_rounds(target, str(tmp_path / "d"), [[{"role": "user", "content": "t3 t4"}]], SamplingParams(), 4)
+
+
+def test_recorded_rounds_resume_by_prompt_not_by_position(tmp_path, monkeypatch):
+    """Another --prompts count builds another list (the mix is not prefix-stable): cached rounds are matched by
+    the prompt's text, so a prompt is decoded once and never stands in for another."""
+    monkeypatch.setattr(calibration_report, "cache_dir", lambda *_: tmp_path)  # not the kernels' cache: no rebuild
+    target = tiny_target(vocab_size=24)
+    model = make_model(target)
+    save_drafter(tmp_path / "d", "dspark", model, model.config.to_dict(), target)
+    monkeypatch.setattr(target, "encode_chat", lambda messages: [int(t[1:]) for t in messages[0]["content"].split()])
+    decoded = []
+    generate = SpeculativeDecoder.generate
+    monkeypatch.setattr(
+        SpeculativeDecoder, "generate", lambda self, ids, *a, **k: decoded.append(ids) or generate(self, ids, *a, **k)
+    )
+    a, b, c = ([{"role": "user", "content": text}] for text in ("t3 t4", "t5 t6 t7", "t8 t9"))
+    first = record_rounds(target, str(tmp_path / "d"), [a, b], SamplingParams(), 12)
+    assert decoded == [[3, 4], [5, 6, 7]]
+    alone = record_rounds(target, str(tmp_path / "d"), [b], SamplingParams(), 12)
+    again = record_rounds(target, str(tmp_path / "d"), [c, b], SamplingParams(), 12)
+    assert decoded == [[3, 4], [5, 6, 7], [8, 9]]  # only the new prompt was decoded
+    # b's rounds come from b (the second prompt of the first list), whatever position b takes now
+    rounds_a = len(first.accepted) - len(alone.accepted)
+    assert torch.equal(alone.accepted, first.accepted[rounds_a:])
+    assert torch.equal(again.accepted[-len(alone.accepted) :], alone.accepted)
 
 
 def test_calibration_is_stored_and_used(tmp_path):

@@ -2,7 +2,7 @@
 
 from specdecode.drafters.dspark import BlockDrafter
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
-from specdecode.engine.drafting_gate import EXPLORE_EVERY, DraftingGate, DraftYield
+from specdecode.engine.drafting_gate import EXPLORE_EVERY, MAX_EXPLORE_EVERY, DraftingGate, DraftYield, Exploration
 from specdecode.training.recipes import build_block_drafter
 from tests.conftest import tiny_target
 from tests.test_batch import _normal_greedy, _run
@@ -28,14 +28,28 @@ def test_gate_drafts_where_it_pays_and_explores_where_it_does_not():
     costly.stepped(True)
     low = [DraftYield(kept=0.3, verified=2.0) for _ in range(4)]
     steps = []
-    for _ in range(2 * EXPLORE_EVERY + 2):
+    for _ in range(8 * EXPLORE_EVERY):
         steps.append(costly.choose(low))
         costly.stepped(any(steps[-1]))
-    # 5.2 tokens for 140 ms against 4 for 40 ms: only the exploring steps draft, every request at once
+    # 5.2 tokens for 140 ms against 4 for 40 ms: only the exploring steps draft, every request at once, and each
+    # try that does not pay doubles the wait (16, 32, then 64 steps without drafting)
     drafting = [i for i, step in enumerate(steps) if any(step)]
-    assert drafting == [EXPLORE_EVERY, 2 * EXPLORE_EVERY + 1]
+    assert drafting == [EXPLORE_EVERY, 3 * EXPLORE_EVERY + 1, 7 * EXPLORE_EVERY + 2]
     assert all(steps[i] == [True] * 4 for i in drafting)
     assert costly.choose([]) == []  # nothing to draft for
+
+
+def test_exploration_backs_off_until_a_round_pays_on_its_merits():
+    exploration = Exploration(without=0)
+    waits = []
+    for _ in range(5):
+        while not exploration.due():
+            exploration.skipped()
+        waits.append(exploration.without)
+        exploration.ran(tried=True)
+    assert waits == [EXPLORE_EVERY, 2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, MAX_EXPLORE_EVERY, MAX_EXPLORE_EVERY]
+    exploration.ran(tried=False)  # chosen on its merits: tried again soon after it stops paying
+    assert exploration.every == EXPLORE_EVERY and not exploration.due()
 
 
 def test_gate_picks_the_requests_whose_drafts_pay():

@@ -183,7 +183,7 @@ def test_scheduled_decoding_stays_lossless(mode, tmp_path, monkeypatch):
     from tests.test_verify import chi_square_pvalue
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the SPS table is profiled into a fresh cache
-    monkeypatch.setattr(DraftingGate, "choose", lambda gate, yields: [gate.steps_without >= 1] * len(yields))
+    monkeypatch.setattr(DraftingGate, "choose", lambda gate, yields: [gate.exploration.without >= 1] * len(yields))
     target = tiny_target(vocab_size=12)
     decoder = SpeculativeDecoder(target, BlockDrafter(make_model(target)), 4, scheduler=mode, threshold=0.3)
     prompt = [3, 4, 5, 6]

@@ -10,7 +10,8 @@ and cached on disk (like the SPS(B) table), not timed as rounds go: a choice tha
 make a seeded sampling run give other tokens on every rerun. On copy-heavy text the suffix wins and the
 model's drafting pass is saved; where the model's drafts do not pay for their drafting time, rounds go
 without it (the suffix's proposal, often nothing: normal decoding). The model drafts again after
-`EXPLORE_EVERY` rounds without it, so its estimate stays current. Both parts observe every round, so each
+`EXPLORE_EVERY` rounds without it, so its estimate stays current, and each such try that leaves it not
+paying doubles that wait (the drafting gate's `Exploration`). Both parts observe every round, so each
 stays in step with the committed text.
 
 Lossless at any temperature: the choice depends only on the context and on earlier rounds, never on the
@@ -23,31 +24,31 @@ import itertools
 import json
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures, cost_digest
 from specdecode.drafters.suffix import SuffixDrafter, expected_accepted
+from specdecode.engine.drafting_gate import Exploration
 from specdecode.machine import machine_info, measurement_file, quiet_samples
 from specdecode.models.linear import kernels_digest
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
 DECAY = 0.9  # weight of the past in the running means
-EXPLORE_EVERY = 16  # rounds without the model before it drafts once more
 
 
 @dataclass
 class SharedEstimates:
     """What every request of a drafter shares: the seconds of a round with and without the model drafting,
-    the model's drafts kept per round (a new request starts from it, then follows its own text), and the
-    rounds since the model last drafted."""
+    the model's drafts kept per round (a new request starts from it, then follows its own text), and when
+    the model is tried again."""
 
     model_s: float | None = None
     light_s: float | None = None
     model_kept: float = 1.0
-    without_model: int = 0
+    exploration: Exploration = field(default_factory=lambda: Exploration(without=0))
 
 
 def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 5) -> tuple[float, float]:
@@ -139,13 +140,16 @@ class HybridDrafter(Drafter):
         self.suffix.begin(prompt_ids, params, generator, features)
         self.model_kept = self.shared.model_kept
         self.model_pending: tuple[int, list[int]] | None = None
+        self.model_tried = False  # the model drafts this round only because it was due a try
 
     def _wants_model(self, suffix_expected: float) -> bool:
         """Whether a round with the model's drafts is expected to give more tokens per second."""
         shared = self.shared
-        if shared.without_model >= EXPLORE_EVERY:
+        self.model_tried = False
+        if (1 + self.model_kept) / shared.model_s > (1 + suffix_expected) / shared.light_s:
             return True
-        return (1 + self.model_kept) / shared.model_s > (1 + suffix_expected) / shared.light_s
+        self.model_tried = shared.exploration.due()
+        return self.model_tried
 
     def proposal_limit(self, draft_length: int) -> int:
         """The suffix's proposals may run past the draft length; the model keeps to its own limit."""
@@ -181,8 +185,10 @@ class HybridDrafter(Drafter):
         self.model.observe(ids, num_accepted, features)
         self.suffix.observe(ids, num_accepted, features)
         shared, drafted = self.shared, self.model_pending is not None
-        shared.without_model = 0 if drafted else shared.without_model + 1
-        if drafted:  # how far the target agreed with the model's drafts
+        if not drafted:
+            shared.exploration.skipped()
+        else:  # how far the target agreed with the model's drafts
+            shared.exploration.ran(tried=self.model_tried)
             position, tokens = self.model_pending
             kept = 0
             while kept < len(tokens) and position + kept < len(ids) and ids[position + kept] == tokens[kept]:

@@ -14,9 +14,12 @@ yield, for the m requests of highest yield drafting and the others not:
 kept_r and verified_r are running means of request r's accepted and verified drafts over its steps that
 drafted (a new request starts from the engine's running mean), and takes the best m. After `EXPLORE_EVERY`
 steps without drafting every request drafts once, so the means stay current: all in the same step, since
-drafting is one batched call whose cost grows far slower than its number of requests. Both costs are
-tables measured once per machine and cached (SPS(B) of the batched pass, and `profile_drafting` below),
-never timed as steps go, so a seeded request decodes the same tokens on every rerun of the same batch.
+drafting is one batched call whose cost grows far slower than its number of requests. Each such try that
+leaves drafting still not paying doubles the wait before the next (up to `MAX_EXPLORE_EVERY`; a step that
+drafts on its merits resets it): on text where drafting never pays, a try every 16 steps costs a few percent.
+Both costs are tables measured once per machine and cached (SPS(B) of the batched pass, and
+`profile_drafting` below), never timed as steps go, so a seeded request decodes the same tokens on every
+rerun of the same batch.
 Lossless: the choice reads only earlier steps, never this step's drafts.
 """
 
@@ -33,6 +36,29 @@ from specdecode.sampling import SamplingParams
 
 DECAY = 0.8  # weight of the past in the running means
 EXPLORE_EVERY = 16  # steps without drafting before one drafts again
+MAX_EXPLORE_EVERY = 128  # the wait after tries that did not pay, doubled from EXPLORE_EVERY
+
+
+@dataclass
+class Exploration:
+    """When a part that has not paid lately (drafting; the hybrid's model) is tried again: after `every`
+    rounds without it. A try that leaves it not paying doubles the wait, up to `MAX_EXPLORE_EVERY`; a round
+    that chose it on its merits brings the wait back to `EXPLORE_EVERY`."""
+
+    every: int = EXPLORE_EVERY
+    without: int = EXPLORE_EVERY  # rounds since it last ran: the first round tries it
+    trying: bool = False  # the current round runs it only to try it
+
+    def due(self) -> bool:
+        return self.without >= self.every
+
+    def ran(self, tried: bool) -> None:
+        """A round ran it; `tried`: only because it was due."""
+        self.without = 0
+        self.every = min(2 * self.every, MAX_EXPLORE_EVERY) if tried else EXPLORE_EVERY
+
+    def skipped(self) -> None:
+        self.without += 1
 
 
 @dataclass
@@ -51,15 +77,10 @@ class DraftingGate:
     """`verify_s(B)`: seconds of a batched verify pass over B tokens; `draft_s(R)`: seconds of drafting for
     R requests in one call."""
 
-    def __init__(
-        self,
-        verify_s: Callable[[int], float],
-        draft_s: Callable[[int], float],
-        explore_every: int = EXPLORE_EVERY,
-    ) -> None:
-        self.verify_s, self.draft_s, self.explore_every = verify_s, draft_s, explore_every
+    def __init__(self, verify_s: Callable[[int], float], draft_s: Callable[[int], float]) -> None:
+        self.verify_s, self.draft_s = verify_s, draft_s
         self.engine_yield = DraftYield()
-        self.steps_without = explore_every  # the first step drafts
+        self.exploration = Exploration()
 
     def new_request(self) -> DraftYield:
         return DraftYield(self.engine_yield.kept, self.engine_yield.verified)
@@ -69,7 +90,8 @@ class DraftingGate:
         r = len(yields)
         if not r:
             return []
-        if self.steps_without >= self.explore_every:
+        self.exploration.trying = self.exploration.due()
+        if self.exploration.trying:
             return [True] * r
         by_yield = sorted(range(r), key=lambda i: -yields[i].kept)
         best_m, best_rate = 0, r / self.verify_s(r)
@@ -92,7 +114,11 @@ class DraftingGate:
 
     def stepped(self, drafted: bool) -> None:
         """After a step: whether any request drafted in it."""
-        self.steps_without = 0 if drafted else self.steps_without + 1
+        if drafted:
+            self.exploration.ran(tried=self.exploration.trying)
+        else:
+            self.exploration.skipped()
+        self.exploration.trying = False
 
     def observe(self, request_yield: DraftYield, verified: int, kept: int) -> None:
         """After a drafting step: request r had `verified` drafts verified and `kept` of them accepted."""

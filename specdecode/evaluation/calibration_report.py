@@ -66,7 +66,8 @@ def unseen_prompts(target: Target, data_dir: str, count: int, seed: int = 0) -> 
 def record_rounds(
     target: Target, drafter_path: str, prompts: list[list[dict]], params: SamplingParams, max_new_tokens: int
 ) -> Rounds:
-    """Decode every prompt with the raw (uncalibrated) confidences, recording each round; resumable."""
+    """Decode every prompt with the raw (uncalibrated) confidences, recording each round; resumable: a cached
+    prompt's rounds are found by its text, so another `--prompts` count (another list) reuses what matches."""
     drafter = load_drafter(drafter_path, target)
     if not getattr(drafter.config, "confidence_head", False):
         raise SpecDecodeError(f"{drafter_path} is a {drafter.name} drafter without a confidence head")
@@ -75,22 +76,27 @@ def record_rounds(
     gamma = drafter.config.draft_length
     digest = hashlib.sha256(Path(drafter_path, "model.safetensors").read_bytes())
     digest.update(f"{params} {max_new_tokens}".encode())
-    key = digest.hexdigest()[:12]
-    log = cache_dir("calibration") / f"rounds-{key}.jsonl"
-    done = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    log = cache_dir("calibration") / f"rounds-{digest.hexdigest()[:12]}.jsonl"
+    cached = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    done = {row["prompt"]: row for row in cached if "prompt" in row}  # lines written before prompt keys: redone
+    keys = [hashlib.sha256(json.dumps(messages).encode()).hexdigest()[:16] for messages in prompts]
     recorder = RoundRecorder(drafter, gamma)
     decoder = SpeculativeDecoder(target, recorder, draft_length=gamma)
+    missing = [i for i, key in enumerate(keys) if key not in done]
     with log.open("a") as f:
-        for i in tqdm(range(len(done), len(prompts)), desc="calibration rounds", initial=len(done), total=len(prompts)):
+        for i in tqdm(missing, desc="calibration rounds", initial=len(prompts) - len(missing), total=len(prompts)):
             start = len(recorder.accepted)
             decoder.generate(target.encode_chat(prompts[i]), params, max_new_tokens, seed=i)
-            done.append(
-                {"logits": [r.tolist() for r in recorder.logits[start:]], "accepted": recorder.accepted[start:]}
-            )
-            f.write(json.dumps(done[-1]) + "\n")
+            done[keys[i]] = {
+                "prompt": keys[i],
+                "logits": [r.tolist() for r in recorder.logits[start:]],
+                "accepted": recorder.accepted[start:],
+            }
+            f.write(json.dumps(done[keys[i]]) + "\n")
             f.flush()
-    logits = torch.tensor([row for d in done for row in d["logits"]], dtype=torch.float64)
-    accepted = torch.tensor([a for d in done for a in d["accepted"]], dtype=torch.float64)
+    rows = [done[key] for key in keys]
+    logits = torch.tensor([r for row in rows for r in row["logits"]], dtype=torch.float64)
+    accepted = torch.tensor([a for row in rows for a in row["accepted"]], dtype=torch.float64)
     return Rounds(logits, accepted)
 
 
