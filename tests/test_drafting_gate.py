@@ -2,7 +2,14 @@
 
 from specdecode.drafters.dspark import BlockDrafter
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
-from specdecode.engine.drafting_gate import EXPLORE_EVERY, MAX_EXPLORE_EVERY, DraftingGate, DraftYield, Exploration
+from specdecode.engine.drafting_gate import (
+    EXPLORE_EVERY,
+    MAX_EXPLORE_EVERY,
+    DraftingGate,
+    DraftYield,
+    Exploration,
+    profile_drafting,
+)
 from specdecode.training.recipes import build_block_drafter
 from tests.conftest import tiny_target
 from tests.test_batch import _normal_greedy, _run
@@ -95,6 +102,27 @@ def test_gated_engine_skips_drafting_that_cannot_pay_and_stays_lossless():
     passes = next(s.value for s in steps if s.name.endswith("_count"))
     assert engine.metrics.steps_without_drafting >= passes - passes // EXPLORE_EVERY - 2  # only exploring
     assert engine.metrics.steps_without_drafting > 0
+
+
+def test_the_gate_prices_a_hybrid_at_its_model(monkeypatch, tmp_path):
+    """Timed whole, a hybrid that finds its model too costly times its suffix lookups alone (microseconds);
+    the gate must price a drafting step at the model's batched pass, which the hybrid may run in it."""
+    from specdecode.drafters.hybrid import HybridDrafter
+    from specdecode.engine import sps
+
+    target = tiny_target(vocab_size=32, seed=3)
+    model = BlockDrafter(build_block_drafter("dspark", target, num_layers=1, block_size=4, target_layer_ids=[0]))
+    hybrid = HybridDrafter(model, costs=(0.01, 1.0))  # a model round priced at 100 light ones
+    monkeypatch.setattr(sps, "measurement_file", lambda kind, key: tmp_path / f"{abs(hash(str(key)))}.json")
+    batches = []
+    propose_batch = BlockDrafter.propose_batch.__func__
+    monkeypatch.setattr(
+        BlockDrafter,
+        "propose_batch",
+        classmethod(lambda cls, ds, *a: batches.append(len(ds)) or propose_batch(cls, ds, *a)),
+    )
+    table = profile_drafting(target, hybrid, max_requests=4, draft_length=4, context=16, reps=1)
+    assert table.tokens == [1, 2, 4] and {1, 2, 4} <= set(batches)
 
 
 def test_one_request_decoding_leaves_a_self_gating_drafter_alone():

@@ -132,6 +132,11 @@ class Drafter:
     def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
         """`ids` is the committed sequence after a round in which `num_accepted` drafts survived."""
 
+    def costliest(self) -> "Drafter":
+        """The drafter whose drafting a step may pay for: this one; one that picks between parts (the hybrid)
+        names its costliest, so the drafting gate prices a step that drafts at what it may cost."""
+        return self
+
     def end(self, ids: list[int]) -> None:
         """The completion is over; `ids` is its whole sequence (prompt and output)."""
 

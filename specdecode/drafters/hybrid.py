@@ -196,6 +196,9 @@ class HybridDrafter(Drafter):
             self.model_kept = DECAY * self.model_kept + (1 - DECAY) * kept
             shared.model_kept = DECAY * shared.model_kept + (1 - DECAY) * kept
 
+    def costliest(self) -> Drafter:
+        return self.model
+
     def end(self, ids: list[int]) -> None:
         self.model.end(ids)
         self.suffix.end(ids)
