@@ -142,6 +142,10 @@ def test_recorded_rounds_resume_by_prompt_not_by_position(tmp_path, monkeypatch)
     rounds_a = len(first.accepted) - len(alone.accepted)
     assert torch.equal(alone.accepted, first.accepted[rounds_a:])
     assert torch.equal(again.accepted[-len(alone.accepted) :], alone.accepted)
+    # a prompt with no room left for an answer in the context gives no rounds, and no error
+    long = [{"role": "user", "content": " ".join(["t3"] * (target.max_context - 4))}]
+    with_long = record_rounds(target, str(tmp_path / "d"), [long, b], SamplingParams(), 12)
+    assert torch.equal(with_long.accepted, alone.accepted) and len(decoded) == 3
 
 
 def test_calibration_is_stored_and_used(tmp_path):

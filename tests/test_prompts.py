@@ -3,6 +3,7 @@
 import importlib.util
 import itertools
 import json
+import sys
 from collections import Counter
 
 import pytest
@@ -207,6 +208,8 @@ def test_pools_hold_twenty_thousand_disjoint_conversations_with_stable_ids() -> 
     by_id = {c.id: c.turns for c in large}
     assert all(by_id[c.id] == c.turns for c in small)
     check_disjoint(code[5112:] + chat[5569:])
+    # nothing of this machine in a prompt (a run from another venv built another text for one id)
+    assert not [c.id for c in code if sys.executable in c.turns[0] or sys.prefix in c.turns[0]]
 
 
 def test_stub_prompts_are_opt_in_humaneval_shaped_and_disjoint() -> None:

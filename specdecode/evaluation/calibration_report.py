@@ -86,7 +86,9 @@ def record_rounds(
     with log.open("a") as f:
         for i in tqdm(missing, desc="calibration rounds", initial=len(prompts) - len(missing), total=len(prompts)):
             start = len(recorder.accepted)
-            decoder.generate(target.encode_chat(prompts[i]), params, max_new_tokens, seed=i)
+            ids = target.encode_chat(prompts[i])
+            if len(ids) + max_new_tokens <= target.max_context:  # else (a pasted document) no room: no rounds
+                decoder.generate(ids, params, max_new_tokens, seed=i)
             done[keys[i]] = {
                 "prompt": keys[i],
                 "logits": [r.tolist() for r in recorder.logits[start:]],

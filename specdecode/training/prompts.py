@@ -12,6 +12,7 @@ import json
 import math
 import random
 import re
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -469,8 +470,8 @@ def _stdlib_functions() -> tuple[tuple[str, str, str, str], ...]:
             if not (inspect.isfunction(target) or inspect.isbuiltin(target)) or not _is_own(target, module_name):
                 continue
             doc = inspect.getdoc(obj)
-            try:
-                sig = str(inspect.signature(obj))
+            try:  # a default of this interpreter's path (platform.architecture) is written as in the source
+                sig = str(inspect.signature(obj)).replace(repr(sys.executable), "sys.executable")
             except (TypeError, ValueError):
                 continue
             sentence = _first_sentence(doc, name) if doc else None
