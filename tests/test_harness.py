@@ -44,6 +44,10 @@ def test_eval_writes_results_and_resumes(tmp_path):
     evaluate()
     assert (out / "t.cells.jsonl").read_text() == cells  # nothing was generated twice
     assert (out / "t_acceptance.png").stat().st_size > 0
+    # other settings are another run: none of its cells stand beside this one's, normal decoding included
+    evaluate(max_new_tokens=10)
+    fresh = (out / "t.cells.jsonl").read_text().splitlines()[len(cells.splitlines()) :]
+    assert len(fresh) == len(cells.splitlines()) and {json.loads(c)["drafter"] for c in fresh} == {"none", "ngram"}
 
 
 def test_acceptance_curves_pool_benchmarks_by_rounds_reaching_each_position():

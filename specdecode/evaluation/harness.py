@@ -4,14 +4,18 @@ For every prompt, every temperature and every drafter (normal decoding included)
 generated back to back, so drift on a shared machine hits all variants alike. Multi-turn prompts
 (MT-Bench) are answered turn by turn, each turn conditioned on the previous answer. Every finished
 (benchmark, prompt, temperature, drafter) cell is appended to `<out>/<name>.cells.jsonl`, so an
-interrupted run resumes where it stopped. Accepted length counts the target's own token per round, as
+interrupted run resumes where it stopped; only cells of the same run are resumed (`run_fingerprint`: the
+same code, machine, target, drafters and settings), so a later run into the same folder never sets its
+drafters beside an older normal decoding. Accepted length counts the target's own token per round, as
 the DSpark paper reports it; speedup is the median over prompts of the per-prompt tokens/s ratio to
 normal decoding measured in the same run.
 """
 
+import hashlib
 import json
 import math
 import statistics
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,12 +23,14 @@ from tqdm import tqdm
 
 from specdecode.drafters import Drafter, build_drafter
 from specdecode.drafters.base import TreeSettings
+from specdecode.drafters.shipped import shipped_drafter
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.engine.scheduler import has_confidences
 from specdecode.engine.stats import DecodeStats
 from specdecode.evaluation.benchmarks import load_benchmark, load_jsonl_benchmark
 from specdecode.evaluation.results import write_results
-from specdecode.machine import measure_quietly
+from specdecode.machine import machine_info, measure_quietly
+from specdecode.models.linear import kernels_digest, stable_digest
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
@@ -36,6 +42,20 @@ def drafter_label(spec: str) -> str:
         kind = json.loads((path / "config.json").read_text()).get("kind", "drafter")
         return f"{kind}:{path.parent.name if path.name == 'drafter' else path.name}"
     return spec
+
+
+def run_fingerprint(target: Target, drafters: list[str], settings: dict) -> str:
+    """What every cell of a run depends on besides its prompt: the package's code, this machine, the target,
+    each drafter's files (a recalibrated drafter is another drafter) and the run's settings."""
+    package = Path(__file__).resolve().parents[1]
+    code = [path.read_text() for path in sorted(package.rglob("*.py"))]
+    files = []
+    for spec in drafters:
+        folder = shipped_drafter(target.name) if spec == "default" else Path(spec)
+        found = sorted(folder.iterdir()) if folder is not None and folder.is_dir() else []
+        files.append([spec, [hashlib.sha256(f.read_bytes()).hexdigest() for f in found if f.is_file()]])
+    target_key = [target.name, str(target.dtype), target.kernel]
+    return stable_digest([code, machine_info(), kernels_digest(), target_key, files, settings])
 
 
 def _items(benchmark: str, limit: int | None):
@@ -77,14 +97,22 @@ def run_eval(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cells_path = out / f"{name}.cells.jsonl"
-    done = {}
+    settings = [draft_length, max_new_tokens, seed, str(tree), scheduler, threshold]
+    run = run_fingerprint(target, drafters, settings)
+    done, other_runs = {}, 0
     if cells_path.exists():
         for line in cells_path.read_text().splitlines():
             try:
                 cell = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a torn last line from an interrupted run
+            if cell.get("run") != run:
+                other_runs += 1
+                continue
             done[(cell["benchmark"], cell["item"], cell["temperature"], cell["drafter"])] = cell
+    if other_runs:
+        print(f"specdecode: {cells_path}: {other_runs} cells of another run (code, machine, drafters or settings) "
+              "are not resumed; this run measures its own", file=sys.stderr)  # fmt: skip
     variants = {"none": SpeculativeDecoder(target, Drafter(), 0)}
     for spec in drafters:
         drafter = build_drafter(spec, target)
@@ -108,6 +136,7 @@ def run_eval(
                         lambda d=decoder, p=params, turns=item.turns: _run_item(d, turns, p, max_new_tokens, seed)
                     )
                     cell = {
+                        "run": run,
                         "benchmark": benchmark,
                         "item": item.id,
                         "temperature": temperature,
