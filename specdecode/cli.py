@@ -353,7 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", required=True, help="the data folder or packed .npz it was trained on (its prompts are skipped)"
     )
     cal.add_argument("--prompts", type=int, default=40, help="unseen prompts decoded to record rounds")
-    cal.add_argument("--temperature", type=float, default=1.0, help="decoding temperature of the recorded rounds")
+    cal.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="decoding temperature of the recorded rounds (0 fits the map greedy requests use)",
+    )
     cal.add_argument("--max-new-tokens", type=int, default=160)
     cal.add_argument("--out", default="docs/results")
     cal.add_argument("--name", default="calibration")
@@ -816,7 +821,8 @@ def cmd_calibrate(args) -> None:
     temperatures = ", ".join(f"{t:.2f}" for t in result["temperatures"])
     biases = ", ".join(f"{b:+.1f}" for b in result["biases"])
     _note(
-        f"temperatures [{temperatures}] and biases [{biases}] written to {args.drafter}/config.json; "
+        f"{'greedy ' if args.temperature == 0 else ''}temperatures [{temperatures}] and biases [{biases}] written "
+        f"to {args.drafter}/config.json; "
         f"report in {args.out}/{args.name}.md"
     )
 

@@ -181,3 +181,25 @@ def test_unseen_prompts_of_a_packed_file_leave_out_its_conversations(smollm2, tm
     (tmp_path / "smollm2-135m.json").write_text((packed.parent / "smollm2-135m.json").read_text())
     with pytest.raises(SpecDecodeError, match="damaged"):
         unseen_prompts(smollm2, str(damaged), 20)
+
+
+def test_greedy_requests_use_the_greedy_map(tmp_path):
+    """`calibrate --temperature 0` fits a map of its own; a greedy request takes it, a sampled one the other."""
+    target = tiny_target(vocab_size=24)
+    model = make_model(target)
+    for name in ("raw", "d"):
+        save_drafter(tmp_path / name, "dspark", model, model.config.to_dict(), target)
+    sampled, greedy = ([2.0, 1.0, 1.0, 0.5], [0.5, -1.0, 0.0, 0.25]), ([0.5, 3.0, 1.0, 2.0], [-0.5, 1.0, 0.2, 0.0])
+    write_calibration(str(tmp_path / "d"), *sampled, {"method": "test"})
+    write_calibration(str(tmp_path / "d"), *greedy, {"method": "test greedy"}, greedy=True)
+    config = read_config(tmp_path / "d")
+    assert config["architecture"]["greedy_calibration_temperatures"] == greedy[0]
+    assert config["greedy_calibration"] == {"method": "test greedy"}
+    for params, (t, b) in ((SamplingParams(), greedy), (SamplingParams(temperature=1.0), sampled)):
+        logits = {}  # the same seed gives the same rounds whatever the confidences; only they move
+        for name in ("raw", "d"):
+            recorder = RoundRecorder(load_drafter(str(tmp_path / name), target), gamma=4)
+            SpeculativeDecoder(target, recorder, draft_length=4).generate([3, 4, 5], params, 20, seed=1)
+            logits[name] = recorder.rounds().logits
+        t, b = (torch.tensor(x, dtype=torch.float64) for x in (t, b))
+        torch.testing.assert_close(logits["d"], logits["raw"] / t + b, rtol=1e-4, atol=1e-4, equal_nan=True)

@@ -141,6 +141,8 @@ def export_block(
             "target": config["target"],
             "calibration_temperatures": c.calibration_temperatures,
             "calibration_biases": c.calibration_biases,
+            "greedy_calibration_temperatures": c.greedy_calibration_temperatures,
+            "greedy_calibration_biases": c.greedy_calibration_biases,
             "recipe": config.get("recipe", {}),
         },
     }
@@ -213,6 +215,8 @@ def import_config(config: dict, target: Target, path: Path) -> DSparkConfig:
         sample_from_anchor=fmt == "dspark" and config.get("sample_from_anchor", True),
         calibration_temperatures=list(extra.get("calibration_temperatures", [])),
         calibration_biases=list(extra.get("calibration_biases", [])),
+        greedy_calibration_temperatures=list(extra.get("greedy_calibration_temperatures", [])),
+        greedy_calibration_biases=list(extra.get("greedy_calibration_biases", [])),
     )
 
 

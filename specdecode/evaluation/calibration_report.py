@@ -5,7 +5,9 @@ were not regenerated into the data folder (same distribution, disjoint ids and t
 resumable (one JSONL line per prompt under the cache). Half of the rounds (interleaved) fit the
 map, the other half measures ECE before and after, so the reported gain is not measured on the data it
 was fitted to; next to it, the ECE a perfectly calibrated predictor would show on the same rounds (the
-sampling-noise floor of a binned ECE). The map is written into the checkpoint's config.json.
+sampling-noise floor of a binned ECE). The map is written into the checkpoint's config.json: rounds at
+T = 0 fit the greedy map (`greedy_calibration_*`), any other temperature the sampled one; greedy decoding
+keeps more of the same drafts, so one map for both misjudged one of them.
 """
 
 import hashlib
@@ -71,8 +73,9 @@ def record_rounds(
     drafter = load_drafter(drafter_path, target)
     if not getattr(drafter.config, "confidence_head", False):
         raise SpecDecodeError(f"{drafter_path} is a {drafter.name} drafter without a confidence head")
-    drafter.config.calibration_temperatures = []  # record raw confidences
-    drafter.config.calibration_biases = []
+    c = drafter.config  # record raw confidences
+    c.calibration_temperatures, c.calibration_biases = [], []
+    c.greedy_calibration_temperatures, c.greedy_calibration_biases = [], []
     gamma = drafter.config.draft_length
     digest = hashlib.sha256(Path(drafter_path, "model.safetensors").read_bytes())
     digest.update(f"{params} {max_new_tokens}".encode())
@@ -102,12 +105,16 @@ def record_rounds(
     return Rounds(logits, accepted)
 
 
-def write_calibration(drafter_path: str, temperatures: list[float], biases: list[float], details: dict) -> None:
+def write_calibration(
+    drafter_path: str, temperatures: list[float], biases: list[float], details: dict, greedy: bool = False
+) -> None:
+    """The map into the checkpoint's config.json: the sampled one, or with `greedy` the one for T = 0."""
     path = Path(drafter_path) / "config.json"
     config = read_config(drafter_path)
-    config["architecture"]["calibration_temperatures"] = temperatures
-    config["architecture"]["calibration_biases"] = biases
-    config["calibration"] = details
+    prefix = "greedy_" if greedy else ""
+    config["architecture"][f"{prefix}calibration_temperatures"] = temperatures
+    config["architecture"][f"{prefix}calibration_biases"] = biases
+    config[f"{prefix}calibration"] = details
     path.write_text(json.dumps(config, indent=1) + "\n")
 
 
@@ -134,7 +141,7 @@ def run_calibration(
         "rounds_fit": len(fit_half.accepted),
         "rounds_report": len(report_half.accepted),
     }
-    write_calibration(drafter_path, fit.temperatures, fit.biases, details)
+    write_calibration(drafter_path, fit.temperatures, fit.biases, details, greedy=params.greedy)
     plot = Path(out_dir) / f"{name}_reliability.png"
     _plot_reliability(report_half, fit.temperatures, fit.biases, plot)
     table = _table(report) + f"\n\n![reliability]({plot.name})\n"
