@@ -86,6 +86,11 @@ class DSparkConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def clear_calibration(self) -> None:
+        """Raw confidences: no STS map for either decoding (before recording rounds, or training on)."""
+        self.calibration_temperatures, self.calibration_biases = [], []
+        self.greedy_calibration_temperatures, self.greedy_calibration_biases = [], []
+
     def calibration(self, greedy: bool) -> tuple[list[float], list[float]]:
         """The STS map (temperatures, biases) for greedy or sampled decoding."""
         if greedy and self.greedy_calibration_temperatures:

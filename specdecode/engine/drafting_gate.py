@@ -48,7 +48,6 @@ class Exploration:
 
     every: int = EXPLORE_EVERY
     without: int = EXPLORE_EVERY  # rounds since it last ran: the first round tries it
-    trying: bool = False  # the current round runs it only to try it
 
     def due(self) -> bool:
         return self.without >= self.every
@@ -82,6 +81,7 @@ class DraftingGate:
         self.verify_s, self.draft_s = verify_s, draft_s
         self.engine_yield = DraftYield()
         self.exploration = Exploration()
+        self.exploring = False  # this step drafts only because a try was due
 
     def new_request(self) -> DraftYield:
         return DraftYield(self.engine_yield.kept, self.engine_yield.verified)
@@ -91,8 +91,8 @@ class DraftingGate:
         r = len(yields)
         if not r:
             return []
-        self.exploration.trying = self.exploration.due()
-        if self.exploration.trying:
+        self.exploring = self.exploration.due()
+        if self.exploring:
             return [True] * r
         by_yield = sorted(range(r), key=lambda i: -yields[i].kept)
         best_m, best_rate = 0, r / self.verify_s(r)
@@ -116,10 +116,10 @@ class DraftingGate:
     def stepped(self, drafted: bool) -> None:
         """After a step: whether any request drafted in it."""
         if drafted:
-            self.exploration.ran(tried=self.exploration.trying)
+            self.exploration.ran(tried=self.exploring)
         else:
             self.exploration.skipped()
-        self.exploration.trying = False
+        self.exploring = False
 
     def observe(self, request_yield: DraftYield, verified: int, kept: int) -> None:
         """After a drafting step: request r had `verified` drafts verified and `kept` of them accepted."""

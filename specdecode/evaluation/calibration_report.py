@@ -73,9 +73,7 @@ def record_rounds(
     drafter = load_drafter(drafter_path, target)
     if not getattr(drafter.config, "confidence_head", False):
         raise SpecDecodeError(f"{drafter_path} is a {drafter.name} drafter without a confidence head")
-    c = drafter.config  # record raw confidences
-    c.calibration_temperatures, c.calibration_biases = [], []
-    c.greedy_calibration_temperatures, c.greedy_calibration_biases = [], []
+    drafter.config.clear_calibration()  # record raw confidences
     gamma = drafter.config.draft_length
     digest = hashlib.sha256(Path(drafter_path, "model.safetensors").read_bytes())
     digest.update(f"{params} {max_new_tokens}".encode())

@@ -77,9 +77,7 @@ def run_training(
             raise SpecDecodeError(f"--init {init} is a {initial_kind} drafter, not a {kind} one")
         layer_ids = list(initial.config.target_layer_ids)
         if kind != "eagle3":
-            c = initial.config
-            c.calibration_temperatures, c.calibration_biases = [], []
-            c.greedy_calibration_temperatures, c.greedy_calibration_biases = [], []
+            initial.config.clear_calibration()
     if features == "online":
         examples = load_examples(target, data_dir, max_length)
         source = OnlineFeatures(target, layer_ids)
