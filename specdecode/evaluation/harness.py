@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specdecode.drafters import Drafter, build_drafter
+from specdecode.drafters import HYBRID_PREFIX, Drafter, build_drafter
 from specdecode.drafters.base import TreeSettings
 from specdecode.drafters.shipped import shipped_drafter
 from specdecode.engine.decode import SpeculativeDecoder
@@ -51,7 +51,8 @@ def run_fingerprint(target: Target, drafters: list[str], settings: dict) -> str:
     code = [path.read_text() for path in sorted(package.rglob("*.py"))]
     files = []
     for spec in drafters:
-        folder = shipped_drafter(target.name) if spec == "default" else Path(spec)
+        checkpoint = spec.removeprefix(HYBRID_PREFIX)  # a hybrid's model is a checkpoint folder too
+        folder = shipped_drafter(target.name) if spec == "default" else Path(checkpoint)
         found = sorted(folder.iterdir()) if folder is not None and folder.is_dir() else []
         files.append([spec, [hashlib.sha256(f.read_bytes()).hexdigest() for f in found if f.is_file()]])
     target_key = [target.name, str(target.dtype), target.kernel]
