@@ -1,10 +1,14 @@
 """The drafting gate: a step drafts only where the measured costs and the requests' recent yield say it pays."""
 
+import pytest
+
 from specdecode.drafters.dspark import BlockDrafter
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
 from specdecode.engine.drafting_gate import (
     EXPLORE_EVERY,
     MAX_EXPLORE_EVERY,
+    PRIOR_ROUNDS,
+    WINDOW,
     DraftingGate,
     DraftYield,
     Exploration,
@@ -77,14 +81,19 @@ def test_gate_prices_the_pass_by_its_tokens():
     assert gate.choose(yields) == [False, False, True, False]
 
 
-def test_running_means_follow_the_observed_yield():
+def test_yield_means_count_every_drafting_round_then_a_long_window():
     gate = DraftingGate(flat, lambda r: 0.0)
-    request = gate.new_request()
-    for _ in range(30):
-        gate.observe(request, verified=3, kept=2)
-    assert abs(request.kept - 2) < 0.01 and abs(request.verified - 3) < 0.01
+    request = gate.new_request()  # kept 1, verified 1: the prior, worth PRIOR_ROUNDS rounds
+    rounds = [(3, 2)] * 10 + [(3, 0)] * 4  # a run of misses moves the mean only as much as its share
+    for verified, kept in rounds:
+        gate.observe(request, verified=verified, kept=kept)
+    assert request.kept == pytest.approx((PRIOR_ROUNDS + 20) / (PRIOR_ROUNDS + 14))
+    assert request.verified == pytest.approx((PRIOR_ROUNDS + 42) / (PRIOR_ROUNDS + 14))
     later = gate.new_request()  # a new request starts from the engine's mean
-    assert abs(later.kept - 2) < 0.01
+    assert later.kept == pytest.approx(request.kept)
+    for _ in range(20 * WINDOW):  # past WINDOW rounds the mean forgets: it follows a change of yield
+        gate.observe(later, verified=3, kept=2)
+    assert abs(later.kept - 2) < 0.01 and abs(later.verified - 3) < 0.01
 
 
 def test_gated_engine_skips_drafting_that_cannot_pay_and_stays_lossless():

@@ -272,9 +272,9 @@ def test_sampling_matches_target_distribution(kind, tmp_path):
     suffix = SuffixDrafter(steps_per_s=flat_passes)
     if kind == "hybrid":
         tiny_llama(vocab_size=12, seed=1).save_pretrained(tmp_path)
-        # both parts learn as the samples go (the suffix's confidences, the model's drafts kept per round),
-        # and the lead changes hands: most rounds are the suffix's, about 1 in 12 the model's
-        drafter = HybridDrafter(DraftModelDrafter(target, str(tmp_path)), suffix, model_prior=0.5, costs=EQUAL_COSTS)
+        # both parts learn as the samples go (the suffix's confidences, the model's drafts kept per round);
+        # with the model's rounds 5% dearer the lead changes hands: about 57% of rounds the suffix's, 43% the model's
+        drafter = HybridDrafter(DraftModelDrafter(target, str(tmp_path)), suffix, model_prior=0.5, costs=(1.0, 1.05))
     else:
         drafter = suffix
     params = SamplingParams(temperature=1.0)
@@ -289,6 +289,6 @@ def test_sampling_matches_target_distribution(kind, tmp_path):
     for c in completions:
         rounds.update(c.stats.proposers)
     if kind == "hybrid":
-        assert rounds["suffix"] > n // 5 and rounds["model"] > n // 20  # one decoder, both proposers verified
+        assert rounds["suffix"] > n // 5 and rounds["model"] > n // 5  # one decoder, both proposers verified
     else:
         assert rounds["suffix"] > n // 4  # the suffix's drafts were really verified

@@ -4,7 +4,7 @@ and no drafts at all where neither pays.
 Each round the suffix drafter proposes first (a lookup, microseconds) with its expected number of
 surviving drafts (from its learned confidences). The model drafter is asked only when that looks like the
 faster round: tokens per second are estimated for both kinds of round as (1 + drafts expected to survive)
-/ (the round's cost), the model's drafts per round taken from its recent rounds in this request. The
+/ (the round's cost), the model's drafts per round taken from its rounds in this request (`DraftYield`). The
 costs of a round with and without the model's drafting are measured once per machine, target and drafter
 and cached on disk (like the SPS(B) table), not timed as rounds go: a choice that followed the clock would
 make a seeded sampling run give other tokens on every rerun. On copy-heavy text the suffix wins and the
@@ -30,13 +30,11 @@ import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures, cost_digest
 from specdecode.drafters.suffix import SuffixDrafter, expected_accepted
-from specdecode.engine.drafting_gate import Exploration
+from specdecode.engine.drafting_gate import DraftYield, Exploration
 from specdecode.machine import machine_info, measurement_file, quiet_samples
 from specdecode.models.linear import kernels_digest
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
-
-DECAY = 0.9  # weight of the past in the running means
 
 
 @dataclass
@@ -47,7 +45,7 @@ class SharedEstimates:
 
     model_s: float | None = None
     light_s: float | None = None
-    model_kept: float = 1.0
+    model_yield: DraftYield = field(default_factory=DraftYield)
     exploration: Exploration = field(default_factory=lambda: Exploration(without=0))
 
 
@@ -120,7 +118,7 @@ class HybridDrafter(Drafter):
         self.target_layer_ids = list(model.target_layer_ids)
         self.has_confidences = model.has_confidences
         self.gates_itself = True
-        self.shared = SharedEstimates(model_kept=model_prior)
+        self.shared = SharedEstimates(model_yield=DraftYield(kept=model_prior))
         if costs is not None:
             self.shared.light_s, self.shared.model_s = costs
         self._owner: HybridDrafter | None = None  # the instance whose request the parts' state belongs to
@@ -138,7 +136,7 @@ class HybridDrafter(Drafter):
             self._owner = self
         self.model.begin(prompt_ids, params, generator, features)
         self.suffix.begin(prompt_ids, params, generator, features)
-        self.model_kept = self.shared.model_kept
+        self.model_yield = self.shared.model_yield.prior()  # this request's, from the drafter's mean
         self.model_pending: tuple[int, list[int]] | None = None
         self.model_tried = False  # the model drafts this round only because it was due a try
 
@@ -146,7 +144,7 @@ class HybridDrafter(Drafter):
         """Whether a round with the model's drafts is expected to give more tokens per second."""
         shared = self.shared
         self.model_tried = False
-        if (1 + self.model_kept) / shared.model_s > (1 + suffix_expected) / shared.light_s:
+        if (1 + self.model_yield.kept) / shared.model_s > (1 + suffix_expected) / shared.light_s:
             return True
         self.model_tried = shared.exploration.due()
         return self.model_tried
@@ -193,8 +191,8 @@ class HybridDrafter(Drafter):
             kept = 0
             while kept < len(tokens) and position + kept < len(ids) and ids[position + kept] == tokens[kept]:
                 kept += 1
-            self.model_kept = DECAY * self.model_kept + (1 - DECAY) * kept
-            shared.model_kept = DECAY * shared.model_kept + (1 - DECAY) * kept
+            for estimate in (self.model_yield, shared.model_yield):
+                estimate.update(len(tokens), kept)
 
     def costliest(self) -> Drafter:
         return self.model

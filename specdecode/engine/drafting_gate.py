@@ -11,8 +11,8 @@ yield, for the m requests of highest yield drafting and the others not:
     none:        R / verify_s(R)
 
 (the batched pass runs its linears on the rows' tokens packed, so it costs what their number costs) where
-kept_r and verified_r are running means of request r's accepted and verified drafts over its steps that
-drafted (a new request starts from the engine's running mean), and takes the best m. After `EXPLORE_EVERY`
+kept_r and verified_r are means of request r's accepted and verified drafts over its steps that drafted (a
+new request starts from the engine's mean; `DraftYield`), and takes the best m. After `EXPLORE_EVERY`
 steps without drafting every request drafts once, so the means stay current: all in the same step, since
 drafting is one batched call whose cost grows far slower than its number of requests. Each such try that
 leaves drafting still not paying doubles the wait before the next (up to `MAX_EXPLORE_EVERY`; a step that
@@ -36,7 +36,8 @@ from specdecode.engine.sps import StepCostTable, load_or_profile
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
-DECAY = 0.8  # weight of the past in the running means
+PRIOR_ROUNDS = 4  # a new request's yield starts as this many drafting rounds at the engine's mean
+WINDOW = 64  # the most drafting rounds a mean remembers (it forgets older ones at rate 1 / WINDOW)
 EXPLORE_EVERY = 16  # steps without drafting before one drafts again
 MAX_EXPLORE_EVERY = 128  # the wait after tries that did not pay, doubled from EXPLORE_EVERY
 
@@ -64,14 +65,28 @@ class Exploration:
 
 @dataclass
 class DraftYield:
-    """Running means of one request's (or the engine's) accepted and verified drafts per drafting step."""
+    """Means of one request's (or the engine's) accepted and verified drafts per drafting step: over every
+    drafting step so far, its start counting as `PRIOR_ROUNDS` steps, then over about the last `WINDOW`.
+
+    Why so long a memory: a round keeps 0 to 7 drafts and they come in runs, so a short mean mostly follows
+    noise. With a mean over ~5 rounds (the earlier 0.8 decay) a few early misses took the mean under break-even,
+    drafting stopped, and the tries backed off: on an AVX512-BF16 EPYC, where a drafting round costs ~1.3
+    one-token passes and pays at 0.3 kept drafts a round, the gated prefix scheduler ran 1.24x normal decoding
+    against 1.54x without the gate (5 benchmarks x 2 prompts, greedy, interleaved)."""
 
     kept: float = 1.0
     verified: float = 1.0
+    rounds: int = 0
+
+    def prior(self) -> "DraftYield":
+        """A new request's yield: this mean, worth `PRIOR_ROUNDS` rounds."""
+        return DraftYield(self.kept, self.verified)
 
     def update(self, verified: int, kept: int) -> None:
-        self.kept = DECAY * self.kept + (1 - DECAY) * kept
-        self.verified = DECAY * self.verified + (1 - DECAY) * verified
+        self.rounds += 1
+        weight = max(1 / (self.rounds + PRIOR_ROUNDS), 1 / WINDOW)
+        self.kept += weight * (kept - self.kept)
+        self.verified += weight * (verified - self.verified)
 
 
 class DraftingGate:
@@ -85,7 +100,7 @@ class DraftingGate:
         self.exploring = False  # this step drafts only because a try was due
 
     def new_request(self) -> DraftYield:
-        return DraftYield(self.engine_yield.kept, self.engine_yield.verified)
+        return self.engine_yield.prior()
 
     def choose(self, yields: list[DraftYield]) -> list[bool]:
         """Which of these requests (the ones that speculate) draft this step."""
