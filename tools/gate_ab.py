@@ -1,0 +1,83 @@
+"""One-request decoding of benchmark prompts: fixed chains, the prefix scheduler with the drafting gate (its
+yield means as shipped, and with the short memory of before stop 42), and the prefix scheduler without the
+gate, interleaved prompt by prompt, each against normal decoding in the same run. Every greedy output is
+checked against normal decoding.
+
+    python tools/gate_ab.py --drafter specdecode/drafters/shipped/smollm2-135m --limit 3 --out docs/results
+"""
+
+import argparse
+import statistics
+
+from specdecode.drafters import Drafter, build_drafter
+from specdecode.engine import drafting_gate
+from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.evaluation.benchmarks import load_benchmark
+from specdecode.evaluation.results import write_results
+from specdecode.models.target import Target
+from specdecode.sampling import SamplingParams
+
+BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench")
+# (scheduler, gate, (PRIOR_ROUNDS, WINDOW) of the gate's yield means); (4, 5) weighs every round 0.2, as the
+# 0.8 decay before stop 42 did
+VARIANTS = {
+    "chain": ("fixed", False, None),
+    "prefix + gate": ("prefix", True, (drafting_gate.PRIOR_ROUNDS, drafting_gate.WINDOW)),
+    "prefix + gate, short memory": ("prefix", True, (4, 5)),
+    "prefix, no gate": ("prefix", False, None),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--drafter", default="specdecode/drafters/shipped/smollm2-135m")
+    parser.add_argument("--limit", type=int, default=3, help="prompts per benchmark")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--draft-length", type=int, default=7)
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--name", default="gate_ab")
+    args = parser.parse_args()
+    target = Target.load()
+    normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
+    decoders = {
+        name: SpeculativeDecoder(
+            target, build_drafter(args.drafter, target), args.draft_length, scheduler=scheduler, gate=gate
+        )
+        for name, (scheduler, gate, _) in VARIANTS.items()
+    }
+    shipped = VARIANTS["prefix + gate"][2]
+    items = [(b, item) for b in BENCHMARKS for item in load_benchmark(b, args.limit)]
+    ratios: dict[tuple[str, float, str], list[float]] = {}
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        params = SamplingParams(temperature=temperature)
+        for benchmark, item in items:
+            ids = target.encode(item.turns[0])
+            base = normal.generate(ids, params, args.max_new_tokens)[0]
+            for name, (_, _, memory) in VARIANTS.items():
+                drafting_gate.PRIOR_ROUNDS, drafting_gate.WINDOW = memory or shipped
+                got = decoders[name].generate(ids, params, args.max_new_tokens)[0]
+                if params.greedy and got.token_ids != base.token_ids:
+                    raise SystemExit(f"{name} on {benchmark}/{item.id}: the output differs from normal decoding")
+                ratio = got.stats.tokens_per_s / base.stats.tokens_per_s
+                ratios.setdefault((name, temperature, benchmark), []).append(ratio)
+        drafting_gate.PRIOR_ROUNDS, drafting_gate.WINDOW = shipped
+    header = "| T | variant | median speedup | " + " | ".join(BENCHMARKS) + " |"
+    runs, lines = [], [header, "|---|---|---:|" + "---:|" * len(BENCHMARKS)]
+    for temperature in sorted({t for _, t, _ in ratios}):
+        for name in VARIANTS:
+            each = {b: ratios[(name, temperature, b)] for b in BENCHMARKS}
+            overall = statistics.median([r for rs in each.values() for r in rs])
+            per_benchmark = {b: round(statistics.median(rs), 3) for b, rs in each.items()}
+            runs.append({"temperature": temperature, "variant": name, "speedup_median": round(overall, 3),
+                         "speedup_median_per_benchmark": per_benchmark, "speedups": each})  # fmt: skip
+            cells = " | ".join(f"{per_benchmark[b]:.2f}x" for b in BENCHMARKS)
+            lines.append(f"| {temperature:g} | {name} | {overall:.2f}x | {cells} |")
+    table = "\n".join(lines) + "\n"
+    write_results(args.name, args.out, target.name, runs, table, max_new_tokens=args.max_new_tokens,
+                  draft_length=args.draft_length, prompts_per_benchmark=args.limit)  # fmt: skip
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
