@@ -292,3 +292,19 @@ def test_sampling_matches_target_distribution(kind, tmp_path):
         assert rounds["suffix"] > n // 5 and rounds["model"] > n // 5  # one decoder, both proposers verified
     else:
         assert rounds["suffix"] > n // 4  # the suffix's drafts were really verified
+
+
+def test_forget_drops_earlier_outputs_so_a_repeat_decodes_anew():
+    """Benchmarks decode one prompt under several variants and temperatures: without `forget` the second
+    decode copies the first's answer from the global index."""
+    target = tiny_target(vocab_size=12, seed=0)
+    drafter = SuffixDrafter(steps_per_s=flat_passes)
+    decoder = SpeculativeDecoder(target, drafter, draft_length=8)
+    prompt = [3, 4, 5, 6]
+    first = decoder.generate(prompt, SamplingParams(), max_new_tokens=40)[0]
+    again = decoder.generate(prompt, SamplingParams(), max_new_tokens=40)[0]
+    drafter.forget()
+    assert drafter.shared.tokens == 0
+    fresh = decoder.generate(prompt, SamplingParams(), max_new_tokens=40)[0]
+    assert first.token_ids == again.token_ids == fresh.token_ids
+    assert again.stats.mean_accepted_length > fresh.stats.mean_accepted_length

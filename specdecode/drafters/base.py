@@ -132,6 +132,11 @@ class Drafter:
     def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
         """`ids` is the committed sequence after a round in which `num_accepted` drafts survived."""
 
+    def forget(self) -> None:
+        """Forget earlier requests' outputs (suffix decoding keeps them for later requests). A benchmark that
+        decodes one prompt more than once, or under several settings, calls it before each completion: a
+        repeat would otherwise copy its own earlier answer (accepted lengths of 14-17 at T=0)."""
+
     def costliest(self) -> "Drafter":
         """The drafter whose drafting a step may pay for: this one; one that picks between parts (the hybrid)
         names its costliest, so the drafting gate prices a step that drafts at what it may cost."""

@@ -194,6 +194,10 @@ class HybridDrafter(Drafter):
             for estimate in (self.model_yield, shared.model_yield):
                 estimate.update(len(tokens), kept)
 
+    def forget(self) -> None:
+        self.model.forget()
+        self.suffix.forget()
+
     def costliest(self) -> Drafter:
         return self.model
 

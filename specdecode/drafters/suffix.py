@@ -142,6 +142,10 @@ class GlobalSuffixIndex:
         newest.append(SEPARATOR)
         self.version += 1
 
+    def clear(self) -> None:
+        self.automata = [SuffixAutomaton()]
+        self.version += 1
+
     @property
     def tokens(self) -> int:
         return sum(len(a) for a in self.automata)
@@ -218,6 +222,10 @@ class SuffixDrafter(Drafter):
         self.global_matches: list[tuple[int, int]] = []  # (state, length) in each automaton of the index
         self.global_version = -1
         self.pending: tuple[int, list[int], list[int]] | None = None  # (position, drafts, cells) to score
+
+    def forget(self) -> None:
+        if self.shared is not None:
+            self.shared.clear()
 
     def _sync(self, ids: list[int]) -> None:
         """Index the tokens committed since the last call, and follow them in the global index."""

@@ -66,6 +66,9 @@ def _items(benchmark: str, limit: int | None):
 
 
 def _run_item(decoder: SpeculativeDecoder, turns: list[str], params, max_new_tokens: int, seed: int):
+    """One benchmark item (its turns, each answer part of the next prompt), decoded from a drafter that has seen
+    no earlier output: the same prompt is decoded by several variants and at several temperatures."""
+    decoder.drafter.forget()
     target = decoder.target
     messages, stats, tokens = [], DecodeStats(), []
     for turn in turns:

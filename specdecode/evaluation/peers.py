@@ -69,6 +69,7 @@ def specdecode_variant(target: Target, drafter: Drafter, draft_length: int, sche
     decoder = SpeculativeDecoder(target, drafter, draft_length, scheduler=scheduler)
 
     def run(ids: list[int], max_new_tokens: int) -> tuple[list[int], float, float | None]:
+        drafter.forget()  # every repeat decodes the prompt anew, not from its earlier answer
         completion = decoder.generate(ids, SamplingParams(), max_new_tokens)[0]
         return completion.token_ids, completion.stats.wall_s, completion.stats.mean_accepted_length
 

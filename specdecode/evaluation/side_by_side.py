@@ -33,6 +33,7 @@ def measure_side_by_side(
     for group, i, prompt in tqdm(jobs * repeats, desc=desc, unit="prompt"):
         ids = target.encode(prompt)
         for name, decoder in decoders.items():
+            decoder.drafter.forget()  # a repeat must not copy its own earlier answer
             completion, cores = measure_quietly(lambda d=decoder, x=ids: d.generate(x, params, max_new_tokens)[0])
             cells.setdefault((name, group, i), []).append(completion)
             foreign.append(cores)
