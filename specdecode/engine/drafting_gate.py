@@ -16,9 +16,8 @@ new request starts from the engine's mean; `DraftYield`), and takes the best m. 
 steps without drafting every request drafts once, so the means stay current: all in the same step, since
 drafting is one batched call whose cost grows far slower than its number of requests. Each such try that
 leaves drafting still not paying doubles the wait before the next (up to `MAX_EXPLORE_EVERY`; a step that
-drafts on its merits resets it). On `specdecode demo`'s chat prompt, where the hybrid's model rarely pays, a
-fresh hybrid per prompt ran 1.01x normal decoding with a try every 16 rounds and 1.10x with the backoff (128
-tokens, medians of 5), but in the demo's own flow the two tie (`tools/demo_ab.py`, results/demo_ab*.md).
+drafts on its merits resets it). In the demo's flow the backoff and a fixed 16-round wait tie on its chat
+prompt (`tools/demo_ab.py`, results/demo_ab*.md).
 Both costs are tables measured once per machine and cached (SPS(B) of the batched pass, and
 `profile_drafting` below), never timed as steps go, so a seeded request decodes the same tokens on every
 rerun of the same batch.

@@ -44,7 +44,7 @@ def drafter_label(spec: str) -> str:
     return spec
 
 
-def run_fingerprint(target: Target, drafters: list[str], settings: dict) -> str:
+def run_fingerprint(target: Target, drafters: list[str], settings: list) -> str:
     """What every cell of a run depends on besides its prompt: the package's code, this machine, the target,
     each drafter's files (a recalibrated drafter is another drafter) and the run's settings."""
     package = Path(__file__).resolve().parents[1]
