@@ -422,12 +422,13 @@ static inline void panel_rows(const uint32_t* X, const at::BFloat16* P, float* Y
 }
 
 // Rows split into near-equal tiles of at most six (24 accumulators + 4 weight vectors fit the 32 registers);
-// a group's weights come from memory for the first tile and from cache for the others. Seven rows (a block
-// drafter's block, a verify pass of six drafts) take one tile all the same: its 28 accumulators do not all fit
-// and the compiler keeps some in L1, yet a whole pass at 7 positions measured 12.3 -> 11.6 ms (128 cached tokens)
-// and 14.6 -> 13.5 ms (512) against a 4 + 3 split (Zen 4 EPYC, interleaved, medians of 20; the same bits). Measured on a Zen 4
+// a group's weights come from memory for the first tile and from cache for the others. Measured on a Zen 4
 // EPYC (2 cores, 233 G products/s of vdpbf16ps at peak): 160-180 G/s at 4-16 rows on a 3072 x 576 matrix;
 // the model's linears at 8 rows cost 1.1-1.3x one row (the row-layout tiles: 1.5-2x).
+// Seven rows (a block drafter's block, a verify pass of six drafts) take one tile all the same: its 28
+// accumulators do not all fit and the compiler keeps some in L1, yet a whole pass at 7 positions measured
+// 12.3 -> 11.6 ms (128 cached tokens) and 14.6 -> 13.5 ms (512) against a 4 + 3 split (Zen 4 EPYC,
+// interleaved, medians of 20; the same bits).
 // With more than one tile, memory would idle while the later tiles multiply from cache, so every tile asks
 // for its share of the next group's weights as it goes: a whole pass at 8 positions 21.1 -> 18.6 ms, 16
 // positions 29.7 -> 26.8 ms (one position 12.1 ms either way; interleaved, 300 cached tokens, Zen 4 EPYC).
