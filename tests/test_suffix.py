@@ -3,14 +3,16 @@ decoding with either stays lossless (exact at temperature 0, the target's distri
 
 import copy
 import random
+import time
 from collections import Counter
 
 import pytest
 import torch
 
+from specdecode.drafters import hybrid as hybrid_module
 from specdecode.drafters.base import EMPTY_PROPOSAL, Proposal
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.hybrid import HybridDrafter
+from specdecode.drafters.hybrid import HybridDrafter, round_costs
 from specdecode.drafters.suffix import (
     AcceptanceTable,
     GlobalSuffixIndex,
@@ -242,6 +244,38 @@ def test_hybrid_tries_a_model_that_does_not_pay_less_and_less_often(monkeypatch)
     got = SpeculativeDecoder(target, hybrid, draft_length=4).generate(prompt, GREEDY, max_new_tokens=160)[0]
     assert got.token_ids == _normal_greedy(target, prompt, 160)
     assert rounds[-1] > 115 and model_rounds[:3] == [16, 49, 114]
+
+
+def test_round_costs_time_a_later_round_not_the_prompts_first_drafting(monkeypatch, tmp_path):
+    """A request's first drafting call also takes in its whole prompt (DSpark projects every prompt token's
+    target features), which a later round never pays: the model round is timed after a first round, here a
+    drafter whose first call per request sleeps 0.3 s. Each timed round is begin -> propose -> observe ->
+    propose over the measurement's prompt less the round's three committed tokens."""
+
+    class SlowFirstCall(DraftModelDrafter):
+        def begin(self, prompt_ids, params, generator, features) -> None:
+            super().begin(prompt_ids, params, generator, features)
+            self.calls = 0
+            events.append(("begin", len(prompt_ids)))
+
+        def propose(self, ids: list[int], max_tokens: int) -> Proposal:
+            self.calls += 1
+            if self.calls == 1:
+                time.sleep(0.3)
+            events.append(("propose", len(ids)))
+            return super().propose(ids, max_tokens)
+
+        def observe(self, ids: list[int], num_accepted: int, features) -> None:
+            events.append(("observe", len(ids), num_accepted, features.last_hidden.shape[0]))
+            super().observe(ids, num_accepted, features)
+
+    monkeypatch.setattr(hybrid_module, "measurement_file", lambda kind, key: tmp_path / "costs.json")  # measured here
+    events: list[tuple] = []
+    target = tiny_target(vocab_size=32, seed=3)
+    light_s, model_s = round_costs(target, SlowFirstCall(target), context=16, reps=3)
+    assert 0 < light_s and model_s < 0.3
+    assert events[:4] == [("begin", 13), ("propose", 13), ("observe", 16, 2, 3), ("propose", 16)]
+    assert len(events) % 4 == 0 and events[4:8] == events[:4]
 
 
 def test_hybrid_in_the_continuous_engine_matches_normal_decoding():
