@@ -1,0 +1,83 @@
+"""One-request decoding with the default hybrid (suffix + shipped DSpark, prefix scheduler) under two pricings
+of a round with the model's drafts: as measured since stop 43 (a request's second drafting call) and as
+before (its first call, which also projects the whole prompt's target features), interleaved prompt by
+prompt, each against normal decoding in the same run. Every greedy output is checked against normal decoding.
+
+    python tools/hybrid_costs_ab.py --limit 4 --out docs/results --name hybrid_costs_ab
+"""
+
+import argparse
+import statistics
+
+from specdecode.drafters import Drafter, build_drafter
+from specdecode.drafters.hybrid import HybridDrafter, round_costs
+from specdecode.drafters.shipped import shipped_drafter
+from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.evaluation.benchmarks import load_benchmark
+from specdecode.evaluation.results import write_results
+from specdecode.models.target import Target
+from specdecode.sampling import SamplingParams
+
+BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench")
+FIRST_CALL_RATIO = 2.04  # model round / light round as priced before stop 43 (this machine's cached costs then)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=4, help="prompts per benchmark")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--name", default="hybrid_costs_ab")
+    args = parser.parse_args()
+    target = Target.load()
+    model = build_drafter(str(shipped_drafter(target.name)), target)
+    light_s, model_s = round_costs(target, model)
+    pricings = {
+        "second call (shipped)": (light_s, model_s),
+        "first call (before)": (light_s, FIRST_CALL_RATIO * light_s),
+    }
+    normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
+    items = [(b, item) for b in BENCHMARKS for item in load_benchmark(b, args.limit)]
+    cells: dict[tuple[float, str, str], list[tuple[float, float, float]]] = {}
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        params = SamplingParams(temperature=temperature)
+        for benchmark, item in items:
+            ids = target.encode_chat([{"role": "user", "content": item.turns[0]}])
+            base = normal.generate(ids, params, args.max_new_tokens, seed=0)[0]
+            for name, costs in pricings.items():
+                hybrid = SpeculativeDecoder(target, HybridDrafter(model, costs=costs), 8, scheduler="prefix")
+                got = hybrid.generate(ids, params, args.max_new_tokens, seed=0)[0]
+                if params.greedy and got.token_ids != base.token_ids:
+                    raise SystemExit(f"{name} on {benchmark}/{item.id}: the output differs from normal decoding")
+                stats = got.stats
+                model_share = stats.proposers.get("model", 0) / max(1, len(stats.accepted_lengths))
+                accepted = statistics.mean(stats.accepted_lengths)
+                cells.setdefault((temperature, name, benchmark), []).append(
+                    (stats.tokens_per_s / base.stats.tokens_per_s, accepted, model_share)
+                )
+    header = "| T | model round priced by | mean speedup | " + " | ".join(BENCHMARKS) + " | accepted | model rounds |"
+    runs, lines = [], [header, "|---|---|---:|" + "---:|" * (len(BENCHMARKS) + 2)]
+    for temperature in sorted({t for t, _, _ in cells}):
+        for name, costs in pricings.items():
+            each = {b: cells[(temperature, name, b)] for b in BENCHMARKS}
+            per_benchmark = {b: round(statistics.median(c[0] for c in cs), 3) for b, cs in each.items()}
+            mean = statistics.mean(per_benchmark.values())
+            accepted = statistics.mean(c[1] for cs in each.values() for c in cs)
+            share = statistics.mean(c[2] for cs in each.values() for c in cs)
+            runs.append({"drafter": "default", "temperature": temperature, "pricing": name,
+                         "model_round_over_light_round": round(costs[1] / costs[0], 3),
+                         "speedup_mean_of_benchmark_medians": round(mean, 3), "speedup_median_per_benchmark":
+                         per_benchmark, "mean_accepted_length": round(accepted, 3), "model_round_share":
+                         round(share, 3), "cells": each})  # fmt: skip
+            row = " | ".join(f"{per_benchmark[b]:.2f}x" for b in BENCHMARKS)
+            lines.append(f"| {temperature:g} | {name} ({costs[1] / costs[0]:.2f}x) | {mean:.2f}x | {row} | "
+                         f"{accepted:.2f} | {share:.0%} |")  # fmt: skip
+    table = "\n".join(lines) + "\n"
+    write_results(args.name, args.out, target.name, runs, table, max_new_tokens=args.max_new_tokens,
+                  prompts_per_benchmark=args.limit, light_s=light_s, model_s=model_s)  # fmt: skip
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
