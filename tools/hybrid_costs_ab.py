@@ -1,7 +1,8 @@
 """One-request decoding with the default hybrid (suffix + shipped DSpark, prefix scheduler) under two pricings
 of a round with the model's drafts: as measured since stop 43 (a request's second drafting call) and as
 before (its first call, which also projects the whole prompt's target features), interleaved prompt by
-prompt, each against normal decoding in the same run. Every greedy output is checked against normal decoding.
+prompt, each against normal decoding in the same run. Each pricing keeps one hybrid for the whole run, as a
+server or `specdecode eval` does. Every greedy output is checked against normal decoding.
 
     python tools/hybrid_costs_ab.py --limit 4 --out docs/results --name hybrid_costs_ab
 """
@@ -38,6 +39,12 @@ def main() -> None:
         "first call (before)": (light_s, FIRST_CALL_RATIO * light_s),
     }
     normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
+    # one hybrid per pricing for the whole run, as in a server or `specdecode eval`: what it learns of its model's
+    # yield carries over from prompt to prompt (each prompt decoded from a drafter that forgot earlier outputs)
+    hybrids = {
+        name: SpeculativeDecoder(target, HybridDrafter(model, costs=costs), 8, scheduler="prefix")
+        for name, costs in pricings.items()
+    }
     items = [(b, item) for b in BENCHMARKS for item in load_benchmark(b, args.limit)]
     cells: dict[tuple[float, str, str], list[tuple[float, float, float]]] = {}
     for temperature in [float(t) for t in args.temperatures.split(",")]:
@@ -45,8 +52,8 @@ def main() -> None:
         for benchmark, item in items:
             ids = target.encode_chat([{"role": "user", "content": item.turns[0]}])
             base = normal.generate(ids, params, args.max_new_tokens, seed=0)[0]
-            for name, costs in pricings.items():
-                hybrid = SpeculativeDecoder(target, HybridDrafter(model, costs=costs), 8, scheduler="prefix")
+            for name, hybrid in hybrids.items():
+                hybrid.drafter.forget()
                 got = hybrid.generate(ids, params, args.max_new_tokens, seed=0)[0]
                 if params.greedy and got.token_ids != base.token_ids:
                     raise SystemExit(f"{name} on {benchmark}/{item.id}: the output differs from normal decoding")
