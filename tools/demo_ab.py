@@ -1,6 +1,7 @@
 """`specdecode demo`'s flow, repeated: normal decoding against the default hybrid on the demo's three prompts,
-with the hybrid's choices as shipped and as they were before: its model's yield a mean over ~10 rounds (a 0.9
-decay; before stop 42), and also a fixed 16-round wait between tries (before stop 41). One speculative decoder
+with the hybrid's choices as shipped and as they were before: its model round priced by the model's first
+drafting call (2.04x a normal step; before stop 43), its model's yield a mean over ~10 rounds (a 0.9 decay;
+before stop 42), and also a fixed 16-round wait between tries (before stop 41). One speculative decoder
 serves the three prompts of a repeat, as in the demo; each repeat builds fresh ones. Every output is checked
 against normal greedy decoding.
 
@@ -12,6 +13,8 @@ import statistics
 
 from specdecode.demo import DEMO_PROMPTS
 from specdecode.drafters import Drafter, build_drafter
+from specdecode.drafters.hybrid import HybridDrafter, round_costs
+from specdecode.drafters.shipped import shipped_drafter
 from specdecode.engine import drafting_gate
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.evaluation.results import write_results
@@ -19,12 +22,14 @@ from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
 # (MAX_EXPLORE_EVERY, PRIOR_ROUNDS, WINDOW): the longest wait between tries, and the yield means' memory; a
-# prior of 9 rounds and a window of 10 weigh every round 0.1, as the 0.9 decay before stop 42 did
+# prior of 9 rounds and a window of 10 weigh every round 0.1, as the 0.9 decay before stop 42 did; then the
+# model round's price over a normal step's, None: as measured (`hybrid.round_costs`)
 SHIPPED = (drafting_gate.MAX_EXPLORE_EVERY, drafting_gate.PRIOR_ROUNDS, drafting_gate.WINDOW)
 VARIANTS = {
-    "shipped": SHIPPED,
-    "10-round mean": (drafting_gate.MAX_EXPLORE_EVERY, 9, 10),
-    "10-round mean, fixed-16 wait": (drafting_gate.EXPLORE_EVERY, 9, 10),
+    "shipped": (*SHIPPED, None),
+    "first-call price": (*SHIPPED, 2.04),
+    "10-round mean": (drafting_gate.MAX_EXPLORE_EVERY, 9, 10, None),
+    "10-round mean, fixed-16 wait": (drafting_gate.EXPLORE_EVERY, 9, 10, None),
 }
 
 
@@ -37,11 +42,14 @@ def main() -> None:
     args = parser.parse_args()
     target, params = Target.load(), SamplingParams()
     normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
+    model = build_drafter(str(shipped_drafter(target.name)), target)
+    light_s, model_s = round_costs(target, model)
     ratios = {(name, n): [] for name in VARIANTS for n in range(1, len(DEMO_PROMPTS) + 1)}
     for _ in range(args.repeats):
-        for name, settings in VARIANTS.items():
+        for name, (*settings, price) in VARIANTS.items():
             drafting_gate.MAX_EXPLORE_EVERY, drafting_gate.PRIOR_ROUNDS, drafting_gate.WINDOW = settings
-            spec = SpeculativeDecoder(target, build_drafter("default", target), draft_length=8, scheduler="prefix")
+            hybrid = HybridDrafter(model, costs=(light_s, model_s if price is None else price * light_s))
+            spec = SpeculativeDecoder(target, hybrid, draft_length=8, scheduler="prefix")
             for n, prompt in enumerate(DEMO_PROMPTS, 1):
                 ids = target.encode(prompt)
                 base = normal.generate(ids, params, args.max_new_tokens)[0]
