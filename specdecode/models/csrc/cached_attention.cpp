@@ -24,7 +24,7 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // keys scored at once per query before their softmax weights are applied
 constexpr int64_t kTile = 3;    // queries that see the same keys and share each key and value load
-constexpr int kSlices = 4;      // 8-float slices of a head each tile query keeps in registers
+constexpr int kSlices = 4;      // vectors of a head each tile query keeps in registers
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
@@ -265,65 +265,65 @@ inline void add_weighted(float* acc, const Entry* v, const float* weights, int64
   }
 }
 
-// A tile of T queries' weighted sums over one block (acc: T rows of D floats; weights: T rows): the queries
-// share each load of a value, and 4 T chains of multiply-adds hide their latency where one query's D / 8 did not.
-// Each dimension of each query sums the same products in the same order as `add_weighted`.
-template <int T, int S, typename Entry>
-inline void add_weighted_slices(float* acc, const Entry* v, const float (*weights)[kBlock], int64_t visible,
-                                int64_t D, int64_t d0) {
-  v8 sums[T][S];
-  for (int t = 0; t < T; ++t)
-    for (int s = 0; s < S; ++s) sums[t][s] = load8(acc + t * D + d0 + 8 * s);
-  for (int64_t b = 0; b < visible; ++b) {
-    v8 values[S];
-    for (int s = 0; s < S; ++s) values[s] = load8(v + b * D + d0 + 8 * s);
-    for (int t = 0; t < T; ++t) {
-      const v8 w = splat(weights[t][b]);
-      for (int s = 0; s < S; ++s) sums[t][s] = fma8(w, values[s], sums[t][s]);
-    }
-  }
-  for (int t = 0; t < T; ++t)
-    for (int s = 0; s < S; ++s) store8(acc + t * D + d0 + 8 * s, sums[t][s]);
-}
-
-template <int T, typename Entry>
-inline void add_weighted_tile(float* acc, const Entry* v, const float (*weights)[kBlock], int64_t visible,
-                              int64_t D) {
-  int64_t d0 = 0;
-  for (; d0 + 8 * kSlices <= D; d0 += 8 * kSlices) add_weighted_slices<T, kSlices>(acc, v, weights, visible, D, d0);
-  for (; d0 < D; d0 += 8) add_weighted_slices<T, 1>(acc, v, weights, visible, D, d0);
-}
+// The vector arithmetic of the weighted-sum tiles: 8 lanes, a value's slice read in order, or (AVX-512) 16
+// lanes, a value read 32 dimensions at a time as two vectors (`load32`, the split order for bfloat16 entries).
+struct Lanes8 {
+  typedef v8 V;
+  static constexpr int kWidth = 8, kPerLoad = 1;
+  static V load(const float* p) { return load8(p); }
+  static void store(float* p, V x) { store8(p, x); }
+  static V fma(V a, V b, V c) { return fma8(a, b, c); }
+  static V broadcast(float x) { return splat(x); }
+  template <typename Entry>
+  static void load_values(const Entry* p, V* out) { out[0] = load8(p); }
+};
 
 #if defined(__AVX512F__)
-// The tile of add_weighted_tile on the 32-wide path: each value is loaded and widened once for T queries, S * 16
-// dimensions from d0 (T * S accumulators); each dimension of each query sums the products add_weighted_fixed
-// sums, in the same order.
-template <int T, int S, typename Entry>
-inline void add_weighted_slices_wide(float* acc, const Entry* v, const float (*weights)[kBlock], int64_t visible,
-                                     int64_t D, int64_t d0) {
-  v16 sums[T][S];
+struct Lanes16 {
+  typedef v16 V;
+  static constexpr int kWidth = 16, kPerLoad = 2;
+  static V load(const float* p) { return load16(p); }
+  static void store(float* p, V x) { store16(p, x); }
+  static V fma(V a, V b, V c) { return fma16(a, b, c); }
+  static V broadcast(float x) { return V{} + x; }
+  template <typename Entry>
+  static void load_values(const Entry* p, V* out) { load32(p, out[0], out[1]); }
+};
+#endif
+
+// A tile of T queries' weighted sums over one block (acc: T rows of D floats; weights: T rows), S vectors of
+// dimensions from d0: the queries share each load (and widening) of a value, and S T chains of multiply-adds
+// hide their latency where one query's did not. Each dimension of each query sums the same products in the
+// same order as `add_weighted`.
+template <typename L, int T, int S, typename Entry>
+inline void add_weighted_slices(float* acc, const Entry* v, const float (*weights)[kBlock], int64_t visible,
+                                int64_t D, int64_t d0) {
+  typename L::V sums[T][S];
   for (int t = 0; t < T; ++t)
-    for (int i = 0; i < S; ++i) sums[t][i] = load16(acc + t * D + d0 + 16 * i);
+    for (int s = 0; s < S; ++s) sums[t][s] = L::load(acc + t * D + d0 + L::kWidth * s);
   for (int64_t b = 0; b < visible; ++b) {
-    v16 values[S];
-    for (int i = 0; i < S; i += 2) load32(v + b * D + d0 + 16 * i, values[i], values[i + 1]);
+    typename L::V values[S];
+    for (int s = 0; s < S; s += L::kPerLoad) L::load_values(v + b * D + d0 + L::kWidth * s, values + s);
     for (int t = 0; t < T; ++t) {
-      const v16 w = v16{} + weights[t][b];
-      for (int i = 0; i < S; ++i) sums[t][i] = fma16(w, values[i], sums[t][i]);
+      const typename L::V w = L::broadcast(weights[t][b]);
+      for (int s = 0; s < S; ++s) sums[t][s] = L::fma(w, values[s], sums[t][s]);
     }
   }
   for (int t = 0; t < T; ++t)
-    for (int i = 0; i < S; ++i) store16(acc + t * D + d0 + 16 * i, sums[t][i]);
+    for (int s = 0; s < S; ++s) L::store(acc + t * D + d0 + L::kWidth * s, sums[t][s]);
 }
 
-template <int T, typename Entry>
-inline void add_weighted_tile_wide(float* acc, const Entry* v, const float (*weights)[kBlock], int64_t visible,
-                                   int64_t D) {
+// The tile over a whole head: slices of kSlices vectors, then the rest (8 lanes: one vector at a time; 16 lanes:
+// D is a multiple of 32, so two).
+template <typename L, int T, typename Entry>
+inline void add_weighted_tile(float* acc, const Entry* v, const float (*weights)[kBlock], int64_t visible,
+                              int64_t D) {
+  constexpr int kRest = L::kPerLoad;
   int64_t d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) add_weighted_slices_wide<T, 4>(acc, v, weights, visible, D, d0);
-  if (d0 < D) add_weighted_slices_wide<T, 2>(acc, v, weights, visible, D, d0);  // D is a multiple of 32
+  for (; d0 + L::kWidth * kSlices <= D; d0 += L::kWidth * kSlices)
+    add_weighted_slices<L, T, kSlices>(acc, v, weights, visible, D, d0);
+  for (; d0 < D; d0 += L::kWidth * kRest) add_weighted_slices<L, T, kRest>(acc, v, weights, visible, D, d0);
 }
-#endif
 
 // One query's scores of a block (scaled, in `weights`) turned into its softmax weights against the running
 // maximum `best` (what was summed so far, am and total, rescaled when it grows), the block's share added to
@@ -471,11 +471,11 @@ void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limit
         if (tile == 3) {
           score_block_tile<3>(q + m * D, kb, visible, D, scale, &best[m], &total[m], am, weights, ask, ahead_v,
                               ahead_lines);
-          add_weighted_tile_wide<3>(am, vb, weights, visible, D);
+          add_weighted_tile<Lanes16, 3>(am, vb, weights, visible, D);
         } else {
           score_block_tile<2>(q + m * D, kb, visible, D, scale, &best[m], &total[m], am, weights, ask, ahead_v,
                               ahead_lines);
-          add_weighted_tile_wide<2>(am, vb, weights, visible, D);
+          add_weighted_tile<Lanes16, 2>(am, vb, weights, visible, D);
         }
         m += tile;
         continue;
@@ -484,8 +484,8 @@ void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limit
       for (int64_t t = 0; t < tile; ++t)
         score_block(q + (m + t) * D, kb, visible, D, scale, best[m + t], total[m + t], am + t * D, weights[t],
                     t == 0 ? ask : nullptr, ahead_v, ahead_lines);
-      if (tile == 3) add_weighted_tile<3>(am, vb, weights, visible, D);
-      else if (tile == 2) add_weighted_tile<2>(am, vb, weights, visible, D);
+      if (tile == 3) add_weighted_tile<Lanes8, 3>(am, vb, weights, visible, D);
+      else if (tile == 2) add_weighted_tile<Lanes8, 2>(am, vb, weights, visible, D);
       else add_weighted(am, vb, weights[0], visible, D);
       m += tile;
     }
