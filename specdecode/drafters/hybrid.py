@@ -28,7 +28,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures, cost_digest
+from specdecode.drafters.base import (
+    EMPTY_PROPOSAL,
+    Drafter,
+    Proposal,
+    TargetFeatures,
+    cost_digest,
+    in_second_round,
+)
 from specdecode.drafters.suffix import SuffixDrafter, expected_accepted
 from specdecode.engine.drafting_gate import DraftYield, Exploration
 from specdecode.machine import machine_info, measurement_file, quiet_samples
@@ -56,10 +63,9 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
     and drafter under `$XDG_CACHE_HOME/specdecode/sps/`. (A four-position pass for both priced a round
     without the model at 1.5-1.7x a normal step once the runner's one-row pass got cheap, and the model
     drafted on fresh text where it kept 0.16 drafts a round: `specdecode demo` prompt 3 at 0.76-0.88x.)
-    The drafting timed is a request's second round, after one that kept two drafts: a request's first drafting
-    call also projects its whole prompt's target features (DSpark: 127 rows, ~2.6 ms on a 2-core EPYC), paid
-    once per request, and timing it priced a model round at 2.0x a normal step instead of ~1.4x, so the model
-    sat out rounds it would have paid for (at T=1 most of them)."""
+    The drafting timed is a request's second round (`in_second_round`): timing its first call priced a model
+    round at 2.0x a normal step instead of ~1.4x, so the model sat out rounds it would have paid for (at T=1
+    most of them)."""
     key = {
         "passes": [1, 8],
         "drafting": "second round",
@@ -85,17 +91,9 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
     features = TargetFeatures(prefill.layer_hidden, prefill.last_hidden)
     seeds = itertools.count()
 
-    def rows(part: slice) -> TargetFeatures:
-        layer_hidden = None if features.layer_hidden is None else features.layer_hidden[part]
-        return TargetFeatures(layer_hidden, features.last_hidden[part])
-
     def one_round() -> tuple[float, float]:
         """Seconds of (a round without the model, one with it)."""
-        drafter = copy.copy(model)
-        prompt = ids[:-3]  # a first round on `prompt` committed two drafts and the target's token
-        drafter.begin(prompt, SamplingParams(), torch.Generator().manual_seed(next(seeds)), rows(slice(-3)))
-        drafter.propose(prompt, 7)
-        drafter.observe(ids, 2, rows(slice(-3, None)))
+        drafter = in_second_round(model, ids, features, 7, next(seeds))
         start = time.perf_counter()
         drafter.propose(ids, 7)
         target.forward(torch.tensor(ids[-8:]))

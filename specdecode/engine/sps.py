@@ -53,17 +53,24 @@ class StepCostTable:
 
 
 def profile_steps(
-    run_pass: Callable[[int], None], sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 5
+    run_pass: Callable[[int], None],
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    reps: int = 5,
+    prepare: Callable[[int], None] | None = None,
 ) -> list[float]:
     """Median seconds of `run_pass(B)` at each size, sizes interleaved so drift hits all of them alike; a
-    sweep during which other processes were busy is measured again (`quiet_samples`)."""
+    sweep during which other processes were busy is measured again (`quiet_samples`). `prepare(B)`, untimed,
+    runs before each pass (state that a pass uses up)."""
     if len(sizes) < 2 or list(sizes) != sorted(set(sizes)):
         raise SpecDecodeError(f"profile sizes must be at least two increasing token counts, got {sizes}")
+    prepare = prepare or (lambda b: None)
+    prepare(sizes[-1])
     run_pass(sizes[-1])  # warm-up: allocator and kernel caches
 
     def sweep() -> dict[int, float]:
         seconds = {}
         for b in sizes:
+            prepare(b)
             start = time.perf_counter()
             run_pass(b)
             seconds[b] = time.perf_counter() - start
@@ -79,9 +86,10 @@ def load_or_profile(
     sizes: tuple[int, ...] = DEFAULT_SIZES,
     reps: int = 5,
     refresh: bool = False,
+    prepare: Callable[[int], None] | None = None,
 ) -> StepCostTable:
     """The cached table for `key` (plus this machine's identity and the runner kernels' build), profiling it
-    first when missing."""
+    first when missing (`profile_steps`)."""
     key = {**key, "machine": machine_info(), "kernels": kernels_digest(), "sizes": list(sizes)}
     path = measurement_file("sps", key)
     if path.exists() and not refresh:
@@ -89,7 +97,7 @@ def load_or_profile(
             return StepCostTable(**json.loads(path.read_text()))
         except (json.JSONDecodeError, TypeError):
             pass  # a damaged cache entry is simply measured again
-    table = StepCostTable(tokens=list(sizes), seconds=profile_steps(run_pass, sizes, reps), key=key)
+    table = StepCostTable(tokens=list(sizes), seconds=profile_steps(run_pass, sizes, reps, prepare), key=key)
     path.write_text(json.dumps(table.to_dict(), indent=1) + "\n")
     return table
 
