@@ -272,10 +272,20 @@ def test_round_costs_time_a_later_round_not_the_prompts_first_drafting(monkeypat
     monkeypatch.setattr(hybrid_module, "measurement_file", lambda kind, key: tmp_path / "costs.json")  # measured here
     events: list[tuple] = []
     target = tiny_target(vocab_size=32, seed=3)
-    light_s, model_s = round_costs(target, SlowFirstCall(target), context=16, reps=3)
+    drafter = SlowFirstCall(target)
+    forward = target.forward
+
+    def target_pass(tokens, **kwargs):
+        events.append(("pass", len(tokens)))
+        return forward(tokens, **kwargs)
+
+    monkeypatch.setattr(target, "forward", target_pass)
+    light_s, model_s = round_costs(target, drafter, context=16, reps=3)
     assert 0 < light_s and model_s < 0.3
-    assert events[:4] == [("begin", 13), ("propose", 13), ("observe", 16, 2, 3), ("propose", 16)]
-    assert len(events) % 4 == 0 and events[4:8] == events[:4]
+    # the one-position pass comes first: drafting is timed after a target pass, as decoding meets it
+    round_events = [("begin", 13), ("propose", 13), ("observe", 16, 2, 3), ("pass", 1), ("propose", 16), ("pass", 8)]
+    assert events[1 : 1 + len(round_events)] == round_events  # after the prefill
+    assert events[1 + len(round_events) : 1 + 2 * len(round_events)] == round_events
 
 
 def test_hybrid_in_the_continuous_engine_matches_normal_decoding():

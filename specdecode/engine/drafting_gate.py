@@ -147,9 +147,10 @@ def profile_drafting(
     target: Target, drafter: Drafter, max_requests: int, draft_length: int, context: int = 128, reps: int = 5
 ) -> StepCostTable:
     """Seconds of one `propose_batch` call for R requests (R = 1, 2, 4, ... up to `max_requests`), each in its
-    second round after a `context`-token prompt (`in_second_round`: until stop 44 the timed calls projected no
-    target features, and one request's round was priced at 1.4 ms where it takes ~2.0 ms on a Zen 4 EPYC);
-    measured once and cached per machine, target and drafter like SPS(B). A drafter
+    second round after a `context`-token prompt (`in_second_round`) and just after a target pass, as in decoding.
+    Until stop 44 the timed calls projected no target features and found the drafter's weights in the caches:
+    one request's round was priced at 1.4-1.7 ms where it takes 2.2 ms on a Zen 4 EPYC. Measured once and cached
+    per machine, target and drafter like SPS(B). A drafter
     that picks between parts is timed by its costliest (`Drafter.costliest`): timed whole, the hybrid chose
     its suffix lookups alone (0.01-0.04 ms for 1-16 requests), the gate let every step of a batch draft, and
     the hybrid's model then drafted in them at a cost the gate never saw."""
@@ -160,7 +161,7 @@ def profile_drafting(
         "kernel": target.kernel,
         "dtype": str(target.dtype),
         "drafting": cost_digest(drafter),
-        "round": "second",
+        "round": "second, after a target pass",
         "draft_length": draft_length,
         "context": context,
     }
@@ -177,6 +178,8 @@ def profile_drafting(
             target.reset()
             features.append(TargetFeatures(out.layer_hidden, out.last_hidden))
         states[:] = [in_second_round(drafter, ids, features[0], draft_length, next(seeds)) for _ in range(requests)]
+        target.forward(torch.tensor(ids[:1]))  # a verify pass comes before each drafting call and takes the caches
+        target.reset()
 
     def run_pass(requests: int) -> None:
         type(drafter).propose_batch(states, [ids] * requests, [draft_length] * requests)
