@@ -11,7 +11,9 @@
 // row's result never depends on its batch: a verify pass over k + 1 positions attends bit for bit like
 // k + 1 one-token steps.
 // The cache holds float32 or bfloat16 entries (half the bytes a step streams); a bfloat16 entry is widened
-// exactly (a 16-bit shift) as it is loaded, and every product and sum runs in float32 as before.
+// exactly (a 16-bit shift) as it is loaded, and every product and sum runs in float32 as before. Where the
+// CPU has native bfloat16 dot products (AVX512-BF16) the scores against a bfloat16 cache take the queries
+// rounded to bfloat16, as the linears take their rows (`paired scores` below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -123,6 +125,20 @@ constexpr bool kWide = true;
 constexpr bool kWide = false;
 #endif
 
+#if defined(__AVX512BF16__)
+// Paired scores: a bfloat16 query (rounded to nearest even once per call) against bfloat16 keys, 32 dimensions
+// per instruction (vdpbf16ps), each lane adding the products of a pair of dimensions (2i, 2i + 1) to its float32
+// partial sum. Widening the keys and two float32 multiply-adds per 32 dimensions took four instructions; the
+// scores were half of a long context's attention, bound by multiply-adds (stop 43). The partial sums then meet
+// the same lane trees as the float32 path, and every query still sums in one fixed order.
+constexpr bool kPairedScores = true;
+inline v16 add_pairs(v16 acc, const uint16_t* q, const uint16_t* k) {
+  return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_loadu_si512(q), (__m512bh)_mm512_loadu_si512(k));
+}
+#else
+constexpr bool kPairedScores = false;
+#endif
+
 // Whether a head of D dimensions is read 32 at a time (else 8 at a time, in order, widening bfloat16 entries
 // one by one), and so whether bfloat16 entries meet queries and sums in the split order.
 inline bool wide(int64_t D) { return kWide && D % 32 == 0; }
@@ -146,8 +162,16 @@ inline v8 partial_dot(const float* q, const Entry* k, int64_t D) {
   return acc;
 }
 
-template <typename Entry>
-inline float dot(const float* q, const Entry* k, int64_t D) {
+#if defined(__AVX512BF16__)
+inline v8 partial_dot(const uint16_t* q, const uint16_t* k, int64_t D) {
+  v16 acc = {};
+  for (int64_t d = 0; d < D; d += 32) acc = add_pairs(acc, q + d, k + d);
+  return halves(acc);
+}
+#endif
+
+template <typename Query, typename Entry>
+inline float dot(const Query* q, const Entry* k, int64_t D) {
   return lane_sum(partial_dot(q, k, D));
 }
 
@@ -191,6 +215,34 @@ inline v8 dots8(const float* q, const Entry* k, int64_t D) {
   }
   return lane_sums8(acc);
 }
+
+#if defined(__AVX512BF16__)
+// dots8 with paired scores: the same partial sums `partial_dot` gives each key, the same lane trees.
+inline v8 dots8(const uint16_t* q, const uint16_t* k, int64_t D) {
+  v16 sums[8] = {};
+  for (int64_t d = 0; d < D; d += 32)
+    for (int i = 0; i < 8; ++i) sums[i] = add_pairs(sums[i], q + d, k + i * D + d);
+  v8 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = halves(sums[i]);
+  return lane_sums8(acc);
+}
+
+// dots8 for T queries with paired scores: each key's line loaded once for the tile, each query's sums as alone.
+template <int T>
+inline void dots8_tile(const uint16_t* q, const uint16_t* k, int64_t D, v8* out) {
+  v8 acc[T][8];
+  for (int i = 0; i < 8; ++i) {
+    v16 sums[T] = {};
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh key = (__m512bh)_mm512_loadu_si512(k + i * D + d);
+      for (int t = 0; t < T; ++t)
+        sums[t] = (v16)_mm512_dpbf16_ps((__m512)sums[t], (__m512bh)_mm512_loadu_si512(q + t * D + d), key);
+    }
+    for (int t = 0; t < T; ++t) acc[t][i] = halves(sums[t]);
+  }
+  for (int t = 0; t < T; ++t) out[t] = lane_sums8(acc[t]);
+}
+#endif
 
 #if defined(__AVX512F__)
 // dots8 for T queries (T rows of D floats) at once on the 32-wide path: each key's entries are loaded and
@@ -365,8 +417,8 @@ inline void ask_ahead(int64_t b, const char* ahead_k, const char* ahead_v, int64
 }
 
 // One query's scores over one block of `visible` keys k (D entries each), turned into its softmax weights.
-template <typename Entry>
-inline void score_block(const float* qm, const Entry* k, int64_t visible, int64_t D, float scale, float& best,
+template <typename Query, typename Entry>
+inline void score_block(const Query* qm, const Entry* k, int64_t visible, int64_t D, float scale, float& best,
                         float& total, float* am, float* weights, const char* ahead_k, const char* ahead_v,
                         int64_t ahead_lines) {
   int64_t b = 0;
@@ -381,8 +433,8 @@ inline void score_block(const float* qm, const Entry* k, int64_t visible, int64_
 #if defined(__AVX512F__)
 // score_block for T consecutive queries (q, acc: T rows of D) that see the same keys, on the 32-wide path:
 // the same scores and weights, each key loaded and widened once for the tile.
-template <int T, typename Entry>
-inline void score_block_tile(const float* q, const Entry* k, int64_t visible, int64_t D, float scale, float* best,
+template <int T, typename Query, typename Entry>
+inline void score_block_tile(const Query* q, const Entry* k, int64_t visible, int64_t D, float scale, float* best,
                              float* total, float* acc, float (*weights)[kBlock], const char* ahead_k,
                              const char* ahead_v, int64_t ahead_lines) {
   int64_t b = 0;
@@ -410,22 +462,16 @@ struct Paths {
   int64_t start = 0;
 };
 
-// One (row, kv head): M queries (M, D) over that slot's keys and values (D entries each, float or bfloat16).
+// The blocks of one (row, kv head): M queries (float, or bfloat16 bits for paired scores) over the slot's keys
+// and values, each query's running maximum `best`, softmax `total` and weighted sum `acc` (M rows of D) updated.
 // Query m sees logical entries 0 .. limits[m] - 1 in blocks of kBlock; with `paths` a block that reaches past
 // the prefix is gathered first, so a tree's query sums exactly what a chain's query at that depth sums, in
 // the same blocks and order (a tree verify pass equals one-token steps bit for bit).
-template <typename Entry>
-void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limits, float* out, int64_t M, int64_t D,
-            float scale, Paths paths) {
+template <typename Query, typename Entry>
+void attend_blocks(const Query* q, const Entry* k, const Entry* v, const int64_t* limits, int64_t M, int64_t D,
+                   float scale, Paths paths, float* best, float* total, float* acc) {
   int64_t longest = 0;
   for (int64_t m = 0; m < M; ++m) longest = std::max(longest, limits[m]);
-  std::vector<float> best(M, -INFINITY), total(M, 0.f), acc(M * D, 0.f);
-  const bool split = std::is_same<Entry, uint16_t>::value && wide(D);
-  std::vector<float> split_q(split ? M * D : 0);
-  if (split) {
-    for (int64_t i = 0; i < M * D; ++i) split_q[i / D * D + split_index(i % D)] = q[i];
-    q = split_q.data();
-  }
   std::vector<Entry> gathered(paths.entries ? 2 * kBlock * D : 0);
   alignas(32) float weights[kTile][kBlock];
   Entry *gathered_k = gathered.data(), *gathered_v = gathered.empty() ? nullptr : gathered.data() + kBlock * D;
@@ -463,17 +509,17 @@ void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limit
       // unchanged; whole passes over 16 positions at 512 / 1024 cached tokens ~22.5 -> 20.6 / 27.5 -> 25.4 ms.
       int64_t tile = 1;
       while (!own && tile < kTile && m + tile < M && std::min(limits[m + tile] - j0, kBlock) == visible) ++tile;
-      float* am = acc.data() + m * D;
+      float* am = acc + m * D;
       const char* ask = visible == kBlock ? ask_k : nullptr;
       if (visible == kBlock) ask_k = nullptr;
 #if defined(__AVX512F__)
       if (wide(D) && tile > 1) {
         if (tile == 3) {
-          score_block_tile<3>(q + m * D, kb, visible, D, scale, &best[m], &total[m], am, weights, ask, ahead_v,
+          score_block_tile<3>(q + m * D, kb, visible, D, scale, best + m, total + m, am, weights, ask, ahead_v,
                               ahead_lines);
           add_weighted_tile<Lanes16, 3>(am, vb, weights, visible, D);
         } else {
-          score_block_tile<2>(q + m * D, kb, visible, D, scale, &best[m], &total[m], am, weights, ask, ahead_v,
+          score_block_tile<2>(q + m * D, kb, visible, D, scale, best + m, total + m, am, weights, ask, ahead_v,
                               ahead_lines);
           add_weighted_tile<Lanes16, 2>(am, vb, weights, visible, D);
         }
@@ -489,6 +535,27 @@ void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limit
       else add_weighted(am, vb, weights[0], visible, D);
       m += tile;
     }
+  }
+}
+
+// One (row, kv head): M queries (M, D) over that slot's keys and values (D entries each, float or bfloat16).
+template <typename Entry>
+void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limits, float* out, int64_t M, int64_t D,
+            float scale, Paths paths) {
+  std::vector<float> best(M, -INFINITY), total(M, 0.f), acc(M * D, 0.f);
+  const bool split = std::is_same<Entry, uint16_t>::value && wide(D);  // value sums in the split order
+  if (split) {
+    if constexpr (kPairedScores && std::is_same<Entry, uint16_t>::value) {
+      std::vector<uint16_t> rounded(M * D);
+      for (int64_t i = 0; i < M * D; ++i) rounded[i] = c10::BFloat16(q[i]).x;  // nearest even
+      attend_blocks(rounded.data(), k, v, limits, M, D, scale, paths, best.data(), total.data(), acc.data());
+    } else {  // the queries in the order the entries are widened
+      std::vector<float> split_q(M * D);
+      for (int64_t i = 0; i < M * D; ++i) split_q[i / D * D + split_index(i % D)] = q[i];
+      attend_blocks(split_q.data(), k, v, limits, M, D, scale, paths, best.data(), total.data(), acc.data());
+    }
+  } else {
+    attend_blocks(q, k, v, limits, M, D, scale, paths, best.data(), total.data(), acc.data());
   }
   for (int64_t m = 0; m < M; ++m) {
     const float inv = total[m] > 0.f ? 1.f / total[m] : 0.f;
