@@ -377,9 +377,75 @@ inline void add_weighted_tile(float* acc, const Entry* v, const float (*weights)
   for (; d0 < D; d0 += L::kWidth * kRest) add_weighted_slices<L, T, kRest>(acc, v, weights, visible, D, d0);
 }
 
+// Eight finite floats rounded to bfloat16 (nearest even), kept as floats: their low 16 bits are zero.
+inline v8 round_to_bfloat16(v8 x) {
+  u8 bits;
+  __builtin_memcpy(&bits, &x, sizeof(bits));
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  __builtin_memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+#if defined(__AVX512BF16__)
+// Paired value sums, with paired scores: keys b and b + 1 multiplied in one vdpbf16ps, their bfloat16 values
+// interleaved dimension by dimension (unpacklo / unpackhi of the two entries: per 128-bit lane, dimensions 0-3
+// then 4-7 of each 8, `pair_index`) against their two weights (rounded to bfloat16 by softmax_block). A tile of T
+// queries over S vectors of 16 dimensions from d0; a lone last key is paired with itself at weight 0. Each
+// query's sums are the same whatever its tile.
+template <int T, int S>
+inline void add_pairs_slices(float* acc, const uint16_t* v, const float (*weights)[kBlock], int64_t visible,
+                             int64_t D, int64_t d0) {
+  v16 sums[T][S];
+  for (int t = 0; t < T; ++t)
+    for (int s = 0; s < S; ++s) sums[t][s] = load16(acc + t * D + d0 + 16 * s);
+  for (int64_t b = 0; b < visible; b += 2) {
+    const bool lone = b + 1 == visible;
+    const uint16_t* first = v + b * D + d0;
+    const uint16_t* second = lone ? first : first + D;
+    __m512i values[S];
+    for (int s = 0; s < S; s += 2) {
+      const __m512i x = _mm512_loadu_si512(first + 16 * s), y = _mm512_loadu_si512(second + 16 * s);
+      values[s] = _mm512_unpacklo_epi16(x, y);
+      values[s + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+    for (int t = 0; t < T; ++t) {
+      uint32_t low, high = 0;
+      __builtin_memcpy(&low, &weights[t][b], sizeof(low));
+      if (!lone) __builtin_memcpy(&high, &weights[t][b + 1], sizeof(high));
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>((low >> 16) | (high & 0xFFFF0000u)));
+      for (int s = 0; s < S; ++s)
+        sums[t][s] = (v16)_mm512_dpbf16_ps((__m512)sums[t][s], (__m512bh)values[s], w);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int s = 0; s < S; ++s) store16(acc + t * D + d0 + 16 * s, sums[t][s]);
+}
+
+template <int T>
+inline void add_pairs_tile(float* acc, const uint16_t* v, const float (*weights)[kBlock], int64_t visible,
+                           int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + 16 * kSlices <= D; d0 += 16 * kSlices) add_pairs_slices<T, kSlices>(acc, v, weights, visible, D, d0);
+  for (; d0 < D; d0 += 32) add_pairs_slices<T, 2>(acc, v, weights, visible, D, d0);
+}
+#endif
+
+#if defined(__AVX512F__)
+// A tile's value sums on the 32-wide path: paired where the scores were (bfloat16 queries), else in float32.
+template <int T, typename Query, typename Entry>
+inline void add_values_tile(float* acc, const Entry* v, const float (*weights)[kBlock], int64_t visible,
+                            int64_t D) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<Query, uint16_t>::value) return add_pairs_tile<T>(acc, v, weights, visible, D);
+#endif
+  add_weighted_tile<Lanes16, T>(acc, v, weights, visible, D);
+}
+#endif
+
 // One query's scores of a block (scaled, in `weights`) turned into its softmax weights against the running
 // maximum `best` (what was summed so far, am and total, rescaled when it grows), the block's share added to
 // `total`.
+template <bool Paired = false>
 inline void softmax_block(float* weights, int64_t visible, int64_t D, float& best, float& total, float* am) {
   float block_max = -INFINITY;
   int64_t b = 0;
@@ -399,7 +465,8 @@ inline void softmax_block(float* weights, int64_t visible, int64_t D, float& bes
   for (b = visible; b < (visible + 7) / 8 * 8; ++b) weights[b] = -INFINITY;  // exp gives 0 there
   v8 block_total = splat(0.f);
   for (b = 0; b < visible; b += 8) {
-    const v8 w = exp8(load8(weights + b) - splat(best));
+    v8 w = exp8(load8(weights + b) - splat(best));
+    if constexpr (Paired) w = round_to_bfloat16(w);  // the weights the paired value sums multiply, and sum to
     store8(weights + b, w);
     block_total += w;
   }
@@ -427,7 +494,7 @@ inline void score_block(const Query* qm, const Entry* k, int64_t visible, int64_
     store8(weights + b, dots8(qm, k + b * D, D) * splat(scale));
   }
   for (; b < visible; ++b) weights[b] = dot(qm, k + b * D, D) * scale;
-  softmax_block(weights, visible, D, best, total, am);
+  softmax_block<std::is_same<Query, uint16_t>::value>(weights, visible, D, best, total, am);
 }
 
 #if defined(__AVX512F__)
@@ -446,13 +513,18 @@ inline void score_block_tile(const Query* q, const Entry* k, int64_t visible, in
   }
   for (; b < visible; ++b)
     for (int t = 0; t < T; ++t) weights[t][b] = dot(q + t * D, k + b * D, D) * scale;
-  for (int t = 0; t < T; ++t) softmax_block(weights[t], visible, D, best[t], total[t], acc + t * D);
+  for (int t = 0; t < T; ++t)
+    softmax_block<std::is_same<Query, uint16_t>::value>(weights[t], visible, D, best[t], total[t], acc + t * D);
 }
 #endif
 
 // Dimension d of a head in the order bfloat16 entries are read (`load32`): within each 32, the even ones
 // first, then the odd ones.
 inline int64_t split_index(int64_t d) { return d / 32 * 32 + (d % 2) * 16 + d % 32 / 2; }
+
+// Dimension d of a head in the order paired value sums keep it (`add_pairs_slices`): within each 32, dimensions
+// 0-3 of every 8 first, then 4-7.
+inline int64_t pair_index(int64_t d) { return d / 32 * 32 + (d % 8 >= 4) * 16 + d % 32 / 8 * 4 + d % 4; }
 
 // Where query m's entries lie when they are not 0, 1, 2, ... of the slot: a tree pass, whose query at depth d
 // sees the cached prefix (entries 0 .. start - 1) and then its ancestors and itself, written anywhere after it.
@@ -513,16 +585,16 @@ void attend_blocks(const Query* q, const Entry* k, const Entry* v, const int64_t
       const char* ask = visible == kBlock ? ask_k : nullptr;
       if (visible == kBlock) ask_k = nullptr;
 #if defined(__AVX512F__)
-      if (wide(D) && tile > 1) {
-        if (tile == 3) {
-          score_block_tile<3>(q + m * D, kb, visible, D, scale, best + m, total + m, am, weights, ask, ahead_v,
+      if (wide(D) && (tile > 1 || std::is_same<Query, uint16_t>::value)) {  // paired: every query in a tile
+        const auto run = [&](auto size) {
+          constexpr int T = decltype(size)::value;
+          score_block_tile<T>(q + m * D, kb, visible, D, scale, best + m, total + m, am, weights, ask, ahead_v,
                               ahead_lines);
-          add_weighted_tile<Lanes16, 3>(am, vb, weights, visible, D);
-        } else {
-          score_block_tile<2>(q + m * D, kb, visible, D, scale, best + m, total + m, am, weights, ask, ahead_v,
-                              ahead_lines);
-          add_weighted_tile<Lanes16, 2>(am, vb, weights, visible, D);
-        }
+          add_values_tile<T, Query>(am, vb, weights, visible, D);
+        };
+        if (tile == 3) run(std::integral_constant<int, 3>{});
+        else if (tile == 2) run(std::integral_constant<int, 2>{});
+        else run(std::integral_constant<int, 1>{});
         m += tile;
         continue;
       }
@@ -559,7 +631,8 @@ void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limit
   }
   for (int64_t m = 0; m < M; ++m) {
     const float inv = total[m] > 0.f ? 1.f / total[m] : 0.f;
-    for (int64_t d = 0; d < D; ++d) out[m * D + d] = acc[m * D + (split ? split_index(d) : d)] * inv;
+    for (int64_t d = 0; d < D; ++d)
+      out[m * D + d] = acc[m * D + (!split ? d : kPairedScores ? pair_index(d) : split_index(d))] * inv;
   }
 }
 
