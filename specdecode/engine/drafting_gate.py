@@ -150,10 +150,10 @@ def profile_drafting(
     second round after a `context`-token prompt (`in_second_round`) and just after a target pass, as in decoding.
     Until stop 44 the timed calls projected no target features and found the drafter's weights in the caches:
     one request's round was priced at 1.4-1.7 ms where it takes 2.2 ms on a Zen 4 EPYC. Measured once and cached
-    per machine, target and drafter like SPS(B). A drafter
-    that picks between parts is timed by its costliest (`Drafter.costliest`): timed whole, the hybrid chose
-    its suffix lookups alone (0.01-0.04 ms for 1-16 requests), the gate let every step of a batch draft, and
-    the hybrid's model then drafted in them at a cost the gate never saw."""
+    per machine, target and drafter like SPS(B). A drafter that picks between parts is timed by its costliest
+    (`Drafter.costliest`): timed whole, the hybrid chose its suffix lookups alone (0.01-0.04 ms for 1-16
+    requests), the gate let every step of a batch draft, and the hybrid's model then drafted in them at a cost
+    the gate never saw."""
     drafter = drafter.costliest()
     sizes = tuple(sorted({min(2**i, max_requests) for i in range(max_requests.bit_length() + 1)} | {1, 2}))
     key = {
