@@ -12,8 +12,9 @@
 // k + 1 one-token steps.
 // The cache holds float32 or bfloat16 entries (half the bytes a step streams); a bfloat16 entry is widened
 // exactly (a 16-bit shift) as it is loaded, and every product and sum runs in float32 as before. Where the
-// CPU has native bfloat16 dot products (AVX512-BF16) the scores against a bfloat16 cache take the queries
-// rounded to bfloat16, as the linears take their rows (`paired scores` below).
+// CPU has native bfloat16 dot products (AVX512-BF16), attention over a bfloat16 cache multiplies in pairs: the
+// scores take the queries rounded to bfloat16, as the linears take their rows, and the value sums the softmax
+// weights rounded to bfloat16, two keys per instruction (`paired scores`, `paired value sums` below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
