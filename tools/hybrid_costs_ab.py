@@ -72,11 +72,13 @@ def main() -> None:
             mean = statistics.mean(per_benchmark.values())
             accepted = statistics.mean(c[1] for cs in each.values() for c in cs)
             share = statistics.mean(c[2] for cs in each.values() for c in cs)
-            runs.append({"drafter": "default", "temperature": temperature, "pricing": name,
-                         "model_round_over_light_round": round(costs[1] / costs[0], 3),
+            runs.append({"drafter": "default", "checkpoint": None, "benchmark": "mix", "temperature": temperature,
+                         "draft_length": 8, "tree": None, "prompts": len(items), "pricing": name,
+                         "model_round_over_light_round": round(costs[1] / costs[0], 3), "speedup": round(mean, 3),
                          "speedup_mean_of_benchmark_medians": round(mean, 3), "speedup_median_per_benchmark":
                          per_benchmark, "mean_accepted_length": round(accepted, 3), "model_round_share":
-                         round(share, 3), "cells": each})  # fmt: skip
+                         round(share, 3), "identical_to_normal_at_t0": True if temperature == 0 else None,
+                         "cells": each})  # fmt: skip
             row = " | ".join(f"{per_benchmark[b]:.2f}x" for b in BENCHMARKS)
             lines.append(f"| {temperature:g} | {name} ({costs[1] / costs[0]:.2f}x) | {mean:.2f}x | {row} | "
                          f"{accepted:.2f} | {share:.0%} |")  # fmt: skip
