@@ -218,17 +218,8 @@ inline v8 dots8(const float* q, const Entry* k, int64_t D) {
 }
 
 #if defined(__AVX512BF16__)
-// dots8 with paired scores: the same partial sums `partial_dot` gives each key, the same lane trees.
-inline v8 dots8(const uint16_t* q, const uint16_t* k, int64_t D) {
-  v16 sums[8] = {};
-  for (int64_t d = 0; d < D; d += 32)
-    for (int i = 0; i < 8; ++i) sums[i] = add_pairs(sums[i], q + d, k + i * D + d);
-  v8 acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = halves(sums[i]);
-  return lane_sums8(acc);
-}
-
-// dots8 for T queries with paired scores: each key's line loaded once for the tile, each query's sums as alone.
+// dots8 for T queries with paired scores: each key's line loaded once for the tile, each query's sums as alone
+// (the same partial sums `partial_dot` gives each key, the same lane trees).
 template <int T>
 inline void dots8_tile(const uint16_t* q, const uint16_t* k, int64_t D, v8* out) {
   v8 acc[T][8];
@@ -242,6 +233,13 @@ inline void dots8_tile(const uint16_t* q, const uint16_t* k, int64_t D, v8* out)
     for (int t = 0; t < T; ++t) acc[t][i] = halves(sums[t]);
   }
   for (int t = 0; t < T; ++t) out[t] = lane_sums8(acc[t]);
+}
+
+// dots8 with paired scores: a tile of one query.
+inline v8 dots8(const uint16_t* q, const uint16_t* k, int64_t D) {
+  v8 out;
+  dots8_tile<1>(q, k, D, &out);
+  return out;
 }
 #endif
 
