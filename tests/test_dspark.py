@@ -16,7 +16,7 @@ from specdecode.drafters.layers import freeze_norms
 from specdecode.drafters.vocab import draft_index
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
-from specdecode.models.linear import FrozenLinear, freeze_linears
+from specdecode.models.linear import FrozenLinear, cpu_kernels_available, freeze_linears
 from specdecode.sampling import SamplingParams
 from specdecode.training.block_losses import block_attention_mask, sample_anchors, teacher, training_losses
 from specdecode.training.data import Example
@@ -270,6 +270,48 @@ def test_the_cpp_kernels_draft_what_the_python_path_drafts(qk_norm, kernel, mark
         want_states = model.backbone(inputs, positions, *_context_and_mask(cache, starts, g))
         got_states = drafter.kernels.backbone(inputs, positions, cache, starts)
     torch.testing.assert_close(got_states, want_states, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab,rank", [(24, 8), (300, 64), (2100, 16)])
+def test_the_cpp_markov_chain_computes_the_chain_step_by_step(vocab, rank):
+    """The C++ chain against its definition, one elementwise float32 op at a time: z = base + sum_j e[j] w2[:, j]
+    (each product rounded, then added, in order of j), e the Markov embedding of the previous draft's target id.
+    Greedy rows: the same logits bit for bit and the first of equal maxima. Sampled rows: q = softmax(z / t) and
+    the draft where q's CDF first passes u. The vocabularies cover one partial block, whole blocks with a partial
+    one, and several parts of the vocabulary (the threads' shares)."""
+    assert cpu_kernels_available()
+    g = torch.Generator().manual_seed(vocab)
+    R, G, V = 3, 5, vocab + 40
+    base = torch.randn(R, G, vocab, generator=g) * 3
+    w1 = torch.randn(V, rank, generator=g) * 0.3
+    w2 = (torch.randn(vocab, rank, generator=g) * 0.3).to(torch.bfloat16)
+    base[0, 0, 7] = base[0, 0, 9] = base[0, 0].max() + 10  # a tie: the first index wins, as torch.argmax
+    w2[9] = w2[7]
+    d2t = torch.randint(0, 40, (vocab,), generator=g)
+    anchors = torch.randint(0, V, (R,), generator=g)
+    temperatures = [0.0, 1.0, 0.7]
+    uniforms = torch.rand(R, G, dtype=torch.float64, generator=g)
+    blocks = torch.ops.specdecode.markov_bias_blocks(w2)
+    tokens, out, embedded = torch.ops.specdecode.markov_chain(base, w1, blocks, d2t, anchors, temperatures, uniforms)
+    for r, t in enumerate(temperatures):
+        prev = anchors[r].item()
+        for k in range(G):
+            e = w1[prev]
+            assert torch.equal(embedded[r, k], e)
+            z = base[r, k].clone()
+            for j in range(rank):
+                z = z + e[j] * w2[:, j].float()
+            if t == 0:
+                assert torch.equal(out[r, k], z)
+                draft = int(torch.argmax(z))
+            else:
+                q = torch.softmax(z / t, dim=0)
+                torch.testing.assert_close(out[r, k], q, rtol=1e-4, atol=1e-7)
+                cdf = torch.cumsum(out[r, k].double(), 0)
+                draft = min(int(torch.searchsorted(cdf, uniforms[r, k] * cdf[-1], right=True)), vocab - 1)
+            prev = draft + int(d2t[draft])
+            assert tokens[r, k].item() == prev
+    assert tokens[0, 0].item() == 7 + int(d2t[7])
 
 
 def test_the_cpp_chain_serves_plain_temperatures_only():

@@ -59,7 +59,7 @@ class BlockKernels:
         if self.chains:
             self.w1 = torch.empty(c.vocab_size, 0) if markov is None else markov.w1.weight.detach().float()
             w2 = torch.empty(c.draft_vocab, 0) if markov is None else markov.w2.weight
-            self.w2t = w2.to(torch.bfloat16).t().contiguous()
+            self.bias_blocks = torch.ops.specdecode.markov_bias_blocks(w2.detach())
             self.d2t = model.d2t.long() if c.draft_vocab_size else None
 
     @classmethod
@@ -129,7 +129,7 @@ class BlockKernels:
                 if t > 0:
                     uniforms[r] = torch.rand(G, dtype=torch.float64, generator=generator)
         tokens, out, embedded = torch.ops.specdecode.markov_chain(
-            base_logits.float(), self.w1, self.w2t, self.d2t, anchors, temperatures, uniforms
+            base_logits.float(), self.w1, self.bias_blocks, self.d2t, anchors, temperatures, uniforms
         )
         return model.confidence_logits(h, embedded if self.w1.shape[1] else None), tokens, out
 

@@ -46,8 +46,9 @@ KERNELS = ("auto", "stock", "onednn", "few-rows", "few-rows-gguf")
 
 @functools.cache
 def kernels_digest() -> str:
-    """Names one build of the C++ kernels: their sources, this machine and torch (rebuilt, and replanned, on change)."""
-    sources = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+    """Names one build of the C++ kernels: their sources and headers, this machine and torch (rebuilt, and
+    replanned, on change)."""
+    sources = sorted((Path(__file__).with_name("csrc")).glob("*.[ch]*"))
     return stable_digest([s.read_text() for s in sources] + [machine_key(), torch.__version__])
 
 

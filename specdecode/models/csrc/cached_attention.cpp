@@ -23,14 +23,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "vectors.h"
+
 namespace {
 
 constexpr int64_t kBlock = 64;  // keys scored at once per query before their softmax weights are applied
 constexpr int64_t kTile = 3;    // queries that see the same keys and share each key and value load
 constexpr int kSlices = 4;      // vectors of a head each tile query keeps in registers
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t i8 __attribute__((vector_size(32)));
 
 inline v8 load8(const float* p) {
   v8 v;
@@ -53,35 +52,10 @@ inline v8 load8(const uint16_t* p) {
 }
 
 #if defined(__FMA__)
-#include <immintrin.h>
 inline v8 fma8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 #else
 inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
 #endif
-
-inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-
-// exp(x) of eight x <= 0 (scores minus their running maximum): Cody-Waite range reduction and a degree-6
-// polynomial in vector arithmetic (std::exp does not vectorize); relative error ~2e-7.
-inline v8 exp8(v8 x) {
-  x = x < splat(-87.f) ? splat(-87.f) : x;
-  const v8 magic = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  const v8 n = (x * splat(1.44269504088896341f) + magic) - magic;
-  const v8 r = (x - n * splat(0.693145751953125f)) - n * splat(1.428606765330187045e-06f);
-  v8 p = splat(1.f / 720.f);
-  p = p * r + splat(1.f / 120.f);
-  p = p * r + splat(1.f / 24.f);
-  p = p * r + splat(1.f / 6.f);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.f);
-  p = p * r + splat(1.f);
-  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
-  v8 scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-inline float exp1(float x) { return exp8(splat(x))[0]; }
 
 typedef float v4 __attribute__((vector_size(16)));
 

@@ -19,49 +19,11 @@
 #include <ATen/Parallel.h>
 
 #include <type_traits>
-#if defined(__FMA__) || defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vf __attribute__((vector_size(kLanes * 4)));
-typedef uint16_t u16v __attribute__((vector_size(kLanes * 2)));
-typedef uint32_t u32v __attribute__((vector_size(kLanes * 4)));
-
-static inline vf fma_v(vf a, vf b, vf c) {
-#if defined(__AVX512F__)
-  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
-
-static inline vf load_v(const float* p) {
-  vf v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// bfloat16 weights widened to float32: a bfloat16 is the top half of a float32, so the widening is exact
-// and costs a shift; the weights stream at half the bytes, the arithmetic stays float32.
-static inline vf load_v(const at::BFloat16* p) {
-  u16v half;
-  __builtin_memcpy(&half, p, sizeof(half));
-  const u32v wide = __builtin_convertvector(half, u32v) << 16;
-  vf v;
-  __builtin_memcpy(&v, &wide, sizeof(v));
-  return v;
-}
+#include "vectors.h"
 
 // The lanes of a partial sum added as a fixed tree (halves, then quarters, ...): the same order for every
 // output, and a short chain (a sequential sum of 16 lanes cost more than the 576-long dot product itself).
-typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 static inline float lane_sum(v8 v) {
   const v4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
