@@ -116,12 +116,12 @@ def test_gated_engine_skips_drafting_that_cannot_pay_and_stays_lossless():
 def test_the_gate_prices_a_hybrid_at_its_model(monkeypatch, tmp_path):
     """Timed whole, a hybrid that finds its model too costly times its suffix lookups alone (microseconds);
     the gate must price a drafting step at the model's batched pass, which the hybrid may run in it."""
-    from specdecode.drafters.hybrid import HybridDrafter
+    from specdecode.drafters.hybrid import HybridDrafter, RoundCosts
     from specdecode.engine import sps
 
     target = tiny_target(vocab_size=32, seed=3)
     model = BlockDrafter(build_block_drafter("dspark", target, num_layers=1, block_size=4, target_layer_ids=[0]))
-    hybrid = HybridDrafter(model, costs=(0.01, 1.0))  # a model round priced at 100 light ones
+    hybrid = HybridDrafter(model, costs=RoundCosts.flat(0.01, 1.0))  # a model round priced at 100 light ones
     monkeypatch.setattr(sps, "measurement_file", lambda kind, key: tmp_path / f"{abs(hash(str(key)))}.json")
     batches = []
     propose_batch = BlockDrafter.propose_batch.__func__
@@ -180,27 +180,27 @@ def test_drafting_is_timed_in_a_later_round_just_after_a_target_pass(monkeypatch
 def test_one_request_decoding_leaves_a_self_gating_drafter_alone():
     """The hybrid chooses per round between suffix, model and nothing with its own round costs; a second
     gate on top would price its free suffix rounds as model drafting."""
-    from specdecode.drafters.hybrid import HybridDrafter
+    from specdecode.drafters.hybrid import HybridDrafter, RoundCosts
     from specdecode.engine.decode import SpeculativeDecoder
 
     target = tiny_target(vocab_size=32, seed=3)
     model = BlockDrafter(build_block_drafter("dspark", target, num_layers=1, block_size=4, target_layer_ids=[0]))
     assert SpeculativeDecoder(target, model, 4, scheduler="prefix").gate is not None
-    hybrid = HybridDrafter(model, costs=(0.01, 0.012))
+    hybrid = HybridDrafter(model, costs=RoundCosts.flat(0.01, 0.012))
     assert SpeculativeDecoder(target, hybrid, 4, scheduler="prefix").gate is None
 
 
 def test_the_engine_leaves_a_self_gating_drafter_alone_with_one_request():
     """With one request the engine's step is one-request decoding: the hybrid drafts (or looks up) every step
     even where the gate would refuse; with two requests in the pass the gate decides again."""
-    from specdecode.drafters.hybrid import HybridDrafter
+    from specdecode.drafters.hybrid import HybridDrafter, RoundCosts
 
     target = tiny_target(vocab_size=32, seed=3)
     model = BlockDrafter(build_block_drafter("dspark", target, num_layers=1, block_size=4, target_layer_ids=[0]))
     target.set_capture_layers(model.target_layer_ids)
     config = EngineConfig(max_batch=2, max_len=64, draft_length=4, scheduler="prefix")
     for prompts, skipped in (([[3, 4, 5]], False), ([[3, 4, 5], [6, 7, 8, 9]], True)):
-        hybrid = HybridDrafter(model, costs=(0.01, 0.012))
+        hybrid = HybridDrafter(model, costs=RoundCosts.flat(0.01, 0.012))
         engine = ContinuousEngine(target, hybrid, config, lambda b: 1 / compute_bound(b), draft_s=lambda r: 1.0)
         outputs = [c.token_ids for c in _run(engine, prompts, 24)]
         assert outputs == [_normal_greedy(target, p, 24) for p in prompts]

@@ -12,7 +12,7 @@ import torch
 from specdecode.drafters import hybrid as hybrid_module
 from specdecode.drafters.base import EMPTY_PROPOSAL, Proposal
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.hybrid import HybridDrafter, round_costs
+from specdecode.drafters.hybrid import HybridDrafter, RoundCosts, round_costs
 from specdecode.drafters.suffix import (
     AcceptanceTable,
     GlobalSuffixIndex,
@@ -20,8 +20,10 @@ from specdecode.drafters.suffix import (
     SuffixDrafter,
     SuffixSettings,
 )
+from specdecode.engine import decode as decode_module
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
 from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.engine.drafting_gate import DraftYield
 from specdecode.sampling import SamplingParams
 from tests.conftest import tiny_llama, tiny_target
 from tests.test_batch import _normal_greedy, _tiny_dspark
@@ -29,7 +31,9 @@ from tests.test_lossless import exact_two_token_distribution
 from tests.test_verify import chi_square_pvalue
 
 GREEDY = SamplingParams()
-EQUAL_COSTS = (1.0, 1.0)  # rounds with and without the model cost alike: choices follow the expectations alone
+EQUAL_COSTS = RoundCosts.flat(
+    1.0, 1.0
+)  # rounds with and without the model cost alike: choices follow the expectations alone
 
 
 def flat_passes(tokens: int) -> float:
@@ -219,19 +223,21 @@ def test_hybrid_lets_the_suffix_win_on_copies_and_the_model_elsewhere():
     assert hybrid.name == "suffix+dspark" and hybrid.has_confidences
 
 
+class Silent(SuffixDrafter):
+    """A suffix drafter that never finds anything."""
+
+    def propose(self, ids: list[int], max_tokens: int) -> Proposal:
+        return EMPTY_PROPOSAL
+
+
 def test_hybrid_tries_a_model_that_does_not_pay_less_and_less_often(monkeypatch):
     """Model rounds priced at 100x a light round (and a suffix that finds nothing): the model drafts only when
     due a try, and each try that leaves it not paying doubles the wait (16, 32, 64 rounds without it); the
     output stays normal decoding."""
-
-    class Silent(SuffixDrafter):
-        def propose(self, ids: list[int], max_tokens: int) -> Proposal:
-            return EMPTY_PROPOSAL
-
     target = tiny_target(vocab_size=32, seed=3)
     model = _tiny_dspark(target)
     target.set_capture_layers(model.target_layer_ids)
-    hybrid = HybridDrafter(model, Silent(), costs=(0.01, 1.0))
+    hybrid = HybridDrafter(model, Silent(), costs=RoundCosts.flat(0.01, 1.0))
     rounds, model_rounds = [0], []
     observe, propose_batch = HybridDrafter.observe, type(model).propose_batch
     monkeypatch.setattr(HybridDrafter, "observe", lambda self, *a: rounds.append(rounds[-1] + 1) or observe(self, *a))
@@ -244,6 +250,37 @@ def test_hybrid_tries_a_model_that_does_not_pay_less_and_less_often(monkeypatch)
     got = SpeculativeDecoder(target, hybrid, draft_length=4).generate(prompt, GREEDY, max_new_tokens=160)[0]
     assert got.token_ids == _normal_greedy(target, prompt, 160)
     assert rounds[-1] > 115 and model_rounds[:3] == [16, 49, 114]
+
+
+def test_hybrid_prices_a_model_round_at_the_drafts_the_scheduler_verifies(monkeypatch):
+    """A model round costs its drafting and a pass over the root and the drafts verified, so the same yield
+    pays where the scheduler verifies two drafts and not where it verifies four (passes over up to three
+    positions cheap, longer ones 10x dearer). What the engine verifies reaches the hybrid (`scheduled`) and is
+    what its yields learn; a draft counts as kept only if it was verified."""
+    target = tiny_target(vocab_size=32, seed=3)
+    model = _tiny_dspark(target)
+    target.set_capture_layers(model.target_layer_ids)
+    hybrid = HybridDrafter(model, Silent(), costs=RoundCosts((0.01,) * 3 + (0.1,) * 5, drafting=0.001))
+    hybrid.model_yield = DraftYield(kept=0.5, verified=2)
+    assert hybrid._wants_model(0.0)  # 1.5 tokens in 11 ms against 1 in 10 ms
+    hybrid.model_yield = DraftYield(kept=0.5, verified=4)
+    assert not hybrid._wants_model(0.0)  # 1.5 tokens in 101 ms
+
+    learned = []
+    update = DraftYield.update
+    monkeypatch.setattr(DraftYield, "update", lambda self, v, k: learned.append((v, k)) or update(self, v, k))
+    prompt = [3, 4, 5, 6]
+    for scheduler, verified in (("fixed", 3), ("prefix", 1)):
+        if scheduler == "prefix":  # the scheduler keeps one draft of each proposal
+            monkeypatch.setattr(decode_module, "schedule", lambda kind, confidences, lengths, *a: [1] * len(lengths))
+        learned.clear()
+        hybrid = HybridDrafter(model, Silent(), costs=EQUAL_COSTS)  # the model wins every round
+        decoder = SpeculativeDecoder(target, hybrid, draft_length=3, scheduler=scheduler)
+        got = decoder.generate(prompt, GREEDY, max_new_tokens=24)[0]
+        assert got.token_ids == _normal_greedy(target, prompt, 24)
+        counts = Counter(v for v, _ in learned)  # the last rounds may draft fewer: the output's end is near
+        assert counts.most_common(1)[0][0] == verified and max(counts) == verified
+        assert all(k <= v for v, k in learned)
 
 
 def test_round_costs_time_a_later_round_not_the_prompts_first_drafting(monkeypatch, tmp_path):
@@ -280,10 +317,12 @@ def test_round_costs_time_a_later_round_not_the_prompts_first_drafting(monkeypat
         return forward(tokens, **kwargs)
 
     monkeypatch.setattr(target, "forward", target_pass)
-    light_s, model_s = round_costs(target, drafter, context=16, reps=3)
-    assert 0 < light_s and model_s < 0.3
-    # the one-position pass comes first: drafting is timed after a target pass, as decoding meets it
-    round_events = [("begin", 13), ("propose", 13), ("observe", 16, 2, 3), ("pass", 1), ("propose", 16), ("pass", 8)]
+    costs = round_costs(target, drafter, context=16, reps=3)
+    assert len(costs.passes) == 8 and 0 < costs.light() and costs.drafting < 0.3
+    # a one-position pass comes first: drafting is timed after a target pass, as decoding meets it; then every
+    # pass the scheduler may choose
+    passes = [("pass", k) for k in range(1, 9)]
+    round_events = [("begin", 13), ("propose", 13), ("observe", 16, 2, 3), ("pass", 1), ("propose", 16), *passes]
     assert events[1 : 1 + len(round_events)] == round_events  # after the prefill
     assert events[1 + len(round_events) : 1 + 2 * len(round_events)] == round_events
 
@@ -318,7 +357,9 @@ def test_sampling_matches_target_distribution(kind, tmp_path):
         tiny_llama(vocab_size=12, seed=1).save_pretrained(tmp_path)
         # both parts learn as the samples go (the suffix's confidences, the model's drafts kept per round);
         # with the model's rounds 5% dearer the lead changes hands: about 57% of rounds the suffix's, 43% the model's
-        drafter = HybridDrafter(DraftModelDrafter(target, str(tmp_path)), suffix, model_prior=0.5, costs=(1.0, 1.05))
+        drafter = HybridDrafter(
+            DraftModelDrafter(target, str(tmp_path)), suffix, model_prior=0.5, costs=RoundCosts.flat(1.0, 1.05)
+        )
     else:
         drafter = suffix
     params = SamplingParams(temperature=1.0)

@@ -1,8 +1,10 @@
-"""One-request decoding with the default hybrid (suffix + shipped DSpark, prefix scheduler) under two pricings
-of a round with the model's drafts: as measured since stop 43 (a request's second drafting call) and as
-before (its first call, which also projects the whole prompt's target features), interleaved prompt by
-prompt, each against normal decoding in the same run. Each pricing keeps one hybrid for the whole run, as a
-server or `specdecode eval` does. Every greedy output is checked against normal decoding.
+"""One-request decoding with the default hybrid (suffix + shipped DSpark, prefix scheduler) under pricings of a
+round with the model's drafts: as measured since stop 45 (its drafting plus a pass over the drafts the
+scheduler verifies, `RoundCosts.model`), as before (a pass over all 8 positions, since stop 43 with the drafting
+of a request's second call), and as before stop 43 (2.04 normal steps: the model's first call, which also
+projects the whole prompt's target features), interleaved prompt by prompt, each against normal decoding in
+the same run. Each pricing keeps one hybrid for the whole run, as a server or `specdecode eval` does. Every
+greedy output is checked against normal decoding.
 
     python tools/hybrid_costs_ab.py --limit 4 --out docs/results --name hybrid_costs_ab
 """
@@ -11,7 +13,7 @@ import argparse
 import statistics
 
 from specdecode.drafters import Drafter, build_drafter
-from specdecode.drafters.hybrid import HybridDrafter, round_costs
+from specdecode.drafters.hybrid import HybridDrafter, RoundCosts, round_costs
 from specdecode.drafters.shipped import shipped_drafter
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.evaluation.benchmarks import load_benchmark
@@ -21,6 +23,11 @@ from specdecode.sampling import SamplingParams
 
 BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench")
 FIRST_CALL_RATIO = 2.04  # model round / light round as priced before stop 43 (this machine's cached costs then)
+
+
+def prices(costs: RoundCosts) -> list[float]:
+    """A model round with 3 and with 7 drafts verified, over a round without the model."""
+    return [round(costs.model(verified) / costs.light(), 3) for verified in (3, 7)]
 
 
 def main() -> None:
@@ -33,10 +40,11 @@ def main() -> None:
     args = parser.parse_args()
     target = Target.load()
     model = build_drafter(str(shipped_drafter(target.name)), target)
-    light_s, model_s = round_costs(target, model)
+    costs = round_costs(target, model)
     pricings = {
-        "second call (shipped)": (light_s, model_s),
-        "first call (before)": (light_s, FIRST_CALL_RATIO * light_s),
+        "verified drafts (shipped)": costs,
+        "all 8 positions (before stop 45)": RoundCosts.flat(costs.light(), costs.model(7)),
+        "first call (before stop 43)": RoundCosts.flat(costs.light(), FIRST_CALL_RATIO * costs.light()),
     }
     normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
     # one hybrid per pricing for the whole run, as in a server or `specdecode eval`: what it learns of its model's
@@ -63,10 +71,12 @@ def main() -> None:
                 cells.setdefault((temperature, name, benchmark), []).append(
                     (stats.tokens_per_s / base.stats.tokens_per_s, accepted, model_share)
                 )
-    header = "| T | model round priced by | mean speedup | " + " | ".join(BENCHMARKS) + " | accepted | model rounds |"
+    costs = pricings["verified drafts (shipped)"]
+    header = "| T | model round priced by (3 / 7 drafts verified) | mean speedup | " + " | ".join(BENCHMARKS)
+    header += " | accepted | model rounds |"
     runs, lines = [], [header, "|---|---|---:|" + "---:|" * (len(BENCHMARKS) + 2)]
     for temperature in sorted({t for t, _, _ in cells}):
-        for name, costs in pricings.items():
+        for name, pricing in pricings.items():
             each = {b: cells[(temperature, name, b)] for b in BENCHMARKS}
             per_benchmark = {b: round(statistics.median(c[0] for c in cs), 3) for b, cs in each.items()}
             mean = statistics.mean(per_benchmark.values())
@@ -74,17 +84,18 @@ def main() -> None:
             share = statistics.mean(c[2] for cs in each.values() for c in cs)
             runs.append({"drafter": "default", "checkpoint": None, "benchmark": "mix", "temperature": temperature,
                          "draft_length": 8, "tree": None, "prompts": len(items), "pricing": name,
-                         "model_round_over_light_round": round(costs[1] / costs[0], 3), "speedup": round(mean, 3),
+                         "model_round_over_light_round_at_3_and_7_verified": prices(pricing), "speedup": round(mean, 3),
                          "speedup_mean_of_benchmark_medians": round(mean, 3), "speedup_median_per_benchmark":
                          per_benchmark, "mean_accepted_length": round(accepted, 3), "model_round_share":
                          round(share, 3), "identical_to_normal_at_t0": True if temperature == 0 else None,
                          "cells": each})  # fmt: skip
             row = " | ".join(f"{per_benchmark[b]:.2f}x" for b in BENCHMARKS)
-            lines.append(f"| {temperature:g} | {name} ({costs[1] / costs[0]:.2f}x) | {mean:.2f}x | {row} | "
+            at3, at7 = prices(pricing)
+            lines.append(f"| {temperature:g} | {name} ({at3:.2f}x / {at7:.2f}x) | {mean:.2f}x | {row} | "
                          f"{accepted:.2f} | {share:.0%} |")  # fmt: skip
     table = "\n".join(lines) + "\n"
     write_results(args.name, args.out, target.name, runs, table, max_new_tokens=args.max_new_tokens,
-                  prompts_per_benchmark=args.limit, light_s=light_s, model_s=model_s)  # fmt: skip
+                  prompts_per_benchmark=args.limit, passes_s=list(costs.passes), drafting_s=costs.drafting)  # fmt: skip
     print(table)
 
 

@@ -130,6 +130,9 @@ class Drafter:
         """Draft a tree continuing `ids`, no deeper than `max_depth`; only drafters that can branch do this."""
         raise SpecDecodeError(f"the {self.name} drafter cannot draft trees; use chain drafting")
 
+    def scheduled(self, drafts: int) -> None:
+        """This round's target pass verifies the first `drafts` of the proposal (the scheduler cut the rest)."""
+
     def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
         """`ids` is the committed sequence after a round in which `num_accepted` drafts survived."""
 

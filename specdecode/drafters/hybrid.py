@@ -4,14 +4,15 @@ and no drafts at all where neither pays.
 Each round the suffix drafter proposes first (a lookup, microseconds) with its expected number of
 surviving drafts (from its learned confidences). The model drafter is asked only when that looks like the
 faster round: tokens per second are estimated for both kinds of round as (1 + drafts expected to survive)
-/ (the round's cost), the model's drafts per round taken from its rounds in this request (`DraftYield`). The
-costs of a round with and without the model's drafting are measured once per machine, target and drafter
-and cached on disk (like the SPS(B) table), not timed as rounds go: a choice that followed the clock would
-make a seeded sampling run give other tokens on every rerun. On copy-heavy text the suffix wins and the
-model's drafting pass is saved; where the model's drafts do not pay for their drafting time, rounds go
-without it (the suffix's proposal, often nothing: normal decoding). The model drafts again after
-`EXPLORE_EVERY` rounds without it, so its estimate stays current, and each such try that leaves it not
-paying doubles that wait (the drafting gate's `Exploration`). Both parts observe every round, so each
+/ (the round's cost), the model's drafts kept and verified per round taken from its rounds in this request
+(`DraftYield`). A round with the model costs its drafting plus a pass over the drafts the scheduler verifies
+(it cuts the model's 7 to 3-4 on average), one without it a one-position pass. Those costs (`RoundCosts`) are
+measured once per machine, target and drafter and cached on disk (like the SPS(B) table), not timed as rounds
+go: a choice that followed the clock would make a seeded sampling run give other tokens on every rerun. On
+copy-heavy text the suffix wins and the model's drafting pass is saved; where the model's drafts do not pay
+for their drafting time, rounds go without it (the suffix's proposal, often nothing: normal decoding). The
+model drafts again after `EXPLORE_EVERY` rounds without it, so its estimate stays current, and each such try
+that leaves it not paying doubles that wait (the drafting gate's `Exploration`). Both parts observe every round, so each
 stays in step with the committed text.
 
 Lossless at any temperature: the choice depends only on the context and on earlier rounds, never on the
@@ -44,32 +45,53 @@ from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
 
+@dataclass(frozen=True)
+class RoundCosts:
+    """Seconds of a target pass over k = 1 .. len(passes) positions (`passes[k - 1]`) and of the model's drafting."""
+
+    passes: tuple[float, ...]
+    drafting: float
+
+    @classmethod
+    def flat(cls, light_s: float, model_s: float) -> "RoundCosts":
+        """A round without the model at `light_s` and one with it at `model_s`, however many drafts are verified."""
+        return cls((light_s,), model_s - light_s)
+
+    def light(self) -> float:
+        """A round without the model's drafts: a one-position pass (the suffix's drafts, where any, ride along)."""
+        return self.passes[0]
+
+    def model(self, verified: float) -> float:
+        """A round with the model: its drafting and a pass over the root and `verified` drafts."""
+        return self.drafting + self.passes[min(len(self.passes), 1 + round(verified)) - 1]
+
+
 @dataclass
 class SharedEstimates:
-    """What every request of a drafter shares: the seconds of a round with and without the model drafting,
-    the model's drafts kept per round (a new request starts from it, then follows its own text), and when
-    the model is tried again."""
+    """What every request of a drafter shares: the costs of a round with and without the model drafting, the
+    model's drafts kept and verified per round (a new request starts from them, then follows its own text),
+    and when the model is tried again."""
 
-    model_s: float | None = None
-    light_s: float | None = None
+    costs: RoundCosts | None = None
     model_yield: DraftYield = field(default_factory=DraftYield)
     exploration: Exploration = field(default_factory=lambda: Exploration(without=0))
 
 
-def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 5) -> tuple[float, float]:
-    """Median seconds of a round without and with the model's drafting after `context` tokens: a one-position
-    pass (where nothing repeats the suffix proposes nothing, and the round is a normal decoding step), and
-    drafting 7 tokens plus a pass over 8 positions. Measured together, once, and cached per machine, target
-    and drafter under `$XDG_CACHE_HOME/specdecode/sps/`. (A four-position pass for both priced a round
-    without the model at 1.5-1.7x a normal step once the runner's one-row pass got cheap, and the model
-    drafted on fresh text where it kept 0.16 drafts a round: `specdecode demo` prompt 3 at 0.76-0.88x.)
-    The drafting timed is a request's second round (`in_second_round`): timing its first call priced a model
-    round at 2.0x a normal step instead of ~1.4x, so the model sat out rounds it would have paid for (at T=1
-    most of them). It follows the one-position pass, which leaves the caches holding the target's weights, not
-    the drafter's, as in decoding (drafting after a target pass: 2.2 ms against 1.7 ms right after drafting)."""
+def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 5) -> RoundCosts:
+    """Median seconds of passes over 1 .. 8 positions and of the model drafting 7 tokens, after `context`
+    tokens. Measured together, once, and cached per machine, target and drafter under
+    `$XDG_CACHE_HOME/specdecode/sps/`. Until stop 45 a model round was priced at a pass over all 8 positions,
+    while the prefix scheduler verified 3.8 drafts of its 7 on average at T=0 and 3.0 at T=1 (six GSM8K,
+    MT-Bench and HumanEval prompts): on a Zen 4 EPYC that priced it at 1.71 normal steps where it costs ~1.35,
+    and at T=1 the model sat out most rounds. (Before that, a four-position pass for both kinds of round priced
+    a round without the model at 1.5-1.7x a normal step once the runner's one-row pass got cheap: `specdecode
+    demo` prompt 3 at 0.76-0.88x.) The drafting timed is a request's second round (`in_second_round`): timing
+    its first call priced a model round at 2.0x a normal step instead of ~1.4x. It follows a one-position pass,
+    which leaves the caches holding the target's weights, not the drafter's, as in decoding (drafting after a
+    target pass: 2.2 ms against 1.7 ms right after drafting)."""
     key = {
-        "passes": [1, 8],
-        "drafting": "second round, after a target pass",
+        "passes": list(range(1, 9)),
+        "drafting": "alone, second round, after a target pass",
         "target": target.name,
         "kernel": target.kernel,
         "dtype": str(target.dtype),
@@ -82,8 +104,8 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
     if path.exists():
         try:
             cached = json.loads(path.read_text())
-            return cached["light_s"], cached["model_s"]
-        except (json.JSONDecodeError, KeyError):
+            return RoundCosts(tuple(cached["passes_s"]), cached["drafting_s"])
+        except (json.JSONDecodeError, KeyError, TypeError):
             pass  # a damaged entry is measured again
     ids = [(7 * i) % target.config.vocab_size for i in range(context)]
     target.set_capture_layers(model.target_layer_ids)
@@ -92,26 +114,29 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
     features = TargetFeatures(prefill.layer_hidden, prefill.last_hidden)
     seeds = itertools.count()
 
-    def one_round() -> tuple[float, float]:
-        """Seconds of (a round without the model, one with it)."""
-        drafter = in_second_round(model, ids, features, 7, next(seeds))
+    def timed(run) -> float:
         start = time.perf_counter()
-        target.forward(torch.tensor(ids[-1:]))  # first: it leaves the caches as a round finds them (the target's)
-        stepped = time.perf_counter()
-        target.rollback(context - 1)
-        drafter.propose(ids, 7)
-        target.forward(torch.tensor(ids[-8:]))
-        verified = time.perf_counter()
-        target.rollback(context - 1)
-        return stepped - start, verified - stepped
+        run()
+        return time.perf_counter() - start
 
-    one_round()  # warm-up
-    rounds = quiet_samples(one_round, reps)  # a round while others were busy is measured again
+    def one_sweep() -> list[float]:
+        """Seconds of the drafting (just after a one-position pass, which leaves the caches as a round finds
+        them: the target's), then of each pass."""
+        drafter = in_second_round(model, ids, features, 7, next(seeds))
+        target.forward(torch.tensor(ids[-1:]))
+        target.rollback(context - 1)
+        seconds = [timed(lambda: drafter.propose(ids, 7))]
+        for k in range(1, 9):
+            seconds.append(timed(lambda k=k: target.forward(torch.tensor(ids[-k:]))))
+            target.rollback(context - 1)
+        return seconds
+
+    one_sweep()  # warm-up
+    sweeps = quiet_samples(one_sweep, reps)  # a sweep while others were busy is measured again
     target.reset()
-    light_s = statistics.median(light for light, _ in rounds)
-    model_s = statistics.median(with_model for _, with_model in rounds)
-    path.write_text(json.dumps({"key": key, "light_s": light_s, "model_s": model_s}, indent=1) + "\n")
-    return light_s, model_s
+    drafting_s, *passes_s = (statistics.median(column) for column in zip(*sweeps, strict=True))
+    path.write_text(json.dumps({"key": key, "passes_s": passes_s, "drafting_s": drafting_s}, indent=1) + "\n")
+    return RoundCosts(tuple(passes_s), drafting_s)
 
 
 class HybridDrafter(Drafter):
@@ -120,26 +145,24 @@ class HybridDrafter(Drafter):
         model: Drafter,
         suffix: SuffixDrafter | None = None,
         model_prior: float = 1.0,
-        costs: tuple[float, float] | None = None,
+        costs: RoundCosts | None = None,
     ) -> None:
-        """`model_prior`: drafts per round credited to the model before it has drafted; `costs`: seconds of a
-        round without and with the model's drafting (measured on the target when not given)."""
+        """`model_prior`: drafts per round credited to the model before it has drafted (kept and verified);
+        `costs`: of rounds without and with the model's drafting (measured on the target when not given)."""
         self.model, self.suffix = model, suffix or SuffixDrafter()
         self.name = f"suffix+{model.name}"
         self.target_layer_ids = list(model.target_layer_ids)
         self.has_confidences = model.has_confidences
         self.gates_itself = True
-        self.shared = SharedEstimates(model_yield=DraftYield(kept=model_prior))
-        if costs is not None:
-            self.shared.light_s, self.shared.model_s = costs
+        self.shared = SharedEstimates(costs, DraftYield(kept=model_prior, verified=model_prior))
         self._owner: HybridDrafter | None = None  # the instance whose request the parts' state belongs to
         self.model_length: int | None = None  # the model's drafts per round, from the engine's draft length
 
     def check_target(self, target: Target) -> None:
         self.model.check_target(target)
         self.suffix.check_target(target)
-        if self.shared.model_s is None:
-            self.shared.light_s, self.shared.model_s = round_costs(target, self.model)
+        if self.shared.costs is None:
+            self.shared.costs = round_costs(target, self.model)
 
     def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:
         if self._owner is not self:  # a per-request shallow copy (the continuous engine): parts of its own
@@ -149,13 +172,14 @@ class HybridDrafter(Drafter):
         self.suffix.begin(prompt_ids, params, generator, features)
         self.model_yield = self.shared.model_yield.prior()  # this request's, from the drafter's mean
         self.model_pending: tuple[int, list[int]] | None = None
+        self.model_verified = 0  # of the model's drafts this round, how many the target verifies
         self.model_tried = False  # the model drafts this round only because it was due a try
 
     def _wants_model(self, suffix_expected: float) -> bool:
         """Whether a round with the model's drafts is expected to give more tokens per second."""
-        shared = self.shared
+        shared, expected = self.shared, self.model_yield
         self.model_tried = False
-        if (1 + self.model_yield.kept) / shared.model_s > (1 + suffix_expected) / shared.light_s:
+        if (1 + expected.kept) / shared.costs.model(expected.verified) > (1 + suffix_expected) / shared.costs.light():
             return True
         self.model_tried = shared.exploration.due()
         return self.model_tried
@@ -188,7 +212,11 @@ class HybridDrafter(Drafter):
             for r, proposal in zip(wanted, drafted, strict=True):
                 proposals[r] = replace(proposal, source="model")
                 drafters[r].model_pending = (len(ids[r]), proposal.tokens.tolist())
+                drafters[r].model_verified = proposal.length  # unless the scheduler says fewer
         return proposals
+
+    def scheduled(self, drafts: int) -> None:
+        self.model_verified = drafts
 
     def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
         self.model.observe(ids, num_accepted, features)
@@ -196,14 +224,15 @@ class HybridDrafter(Drafter):
         shared, drafted = self.shared, self.model_pending is not None
         if not drafted:
             shared.exploration.skipped()
-        else:  # how far the target agreed with the model's drafts
+        else:  # how far the target agreed with the model's drafts that it verified
             shared.exploration.ran(tried=self.model_tried)
             position, tokens = self.model_pending
+            tokens = tokens[: self.model_verified]  # the target's own token may match the next: not a kept draft
             kept = 0
             while kept < len(tokens) and position + kept < len(ids) and ids[position + kept] == tokens[kept]:
                 kept += 1
             for estimate in (self.model_yield, shared.model_yield):
-                estimate.update(len(tokens), kept)
+                estimate.update(self.model_verified, kept)
 
     def forget(self) -> None:
         self.model.forget()

@@ -378,6 +378,8 @@ class ContinuousEngine:
             self.config.threshold,
         )
         proposals = [p.prefix(n) for p, n in zip(proposals, lengths, strict=True)]
+        for s, p in zip(self._running, proposals, strict=True):
+            s.drafter.scheduled(p.length)
         rows = [
             VerifyRow(s.slot, s.ids[-1], p, s.request.params, s.generator)
             for s, p in zip(self._running, proposals, strict=True)

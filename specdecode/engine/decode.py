@@ -127,6 +127,7 @@ class SpeculativeDecoder:
             drafting = self.gate.choose([request_yield])[0] if self.gate else True
             t0 = time.perf_counter()
             proposal = self._propose(ids, room if drafting else 0)
+            drafter.scheduled(proposal.length)
             t1 = time.perf_counter()
             result, kept_features = self._verify(ids, proposal, params, generator)
             t2 = time.perf_counter()
