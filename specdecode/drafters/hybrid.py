@@ -82,8 +82,9 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
     tokens. Measured together, once, and cached per machine, target and drafter under
     `$XDG_CACHE_HOME/specdecode/sps/`. Until stop 45 a model round was priced at a pass over all 8 positions,
     while the prefix scheduler verified 3.8 drafts of its 7 on average at T=0 and 3.0 at T=1 (six GSM8K,
-    MT-Bench and HumanEval prompts): on a Zen 4 EPYC that priced it at 1.71 normal steps where it costs ~1.35,
-    and at T=1 the model sat out most rounds. (Before that, a four-position pass for both kinds of round priced
+    MT-Bench and HumanEval prompts): on a Zen 4 EPYC that priced it at 1.46-1.71 normal steps (the machine's two
+    memory states), where with 3 drafts verified it cost 1.27 in the first, and at T=1 the model sat out most
+    rounds. (Before that, a four-position pass for both kinds of round priced
     a round without the model at 1.5-1.7x a normal step once the runner's one-row pass got cheap: `specdecode
     demo` prompt 3 at 0.76-0.88x.) The drafting timed is a request's second round (`in_second_round`): timing
     its first call priced a model round at 2.0x a normal step instead of ~1.4x. It follows a one-position pass,
