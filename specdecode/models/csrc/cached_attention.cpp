@@ -39,17 +39,8 @@ inline v8 load8(const float* p) {
 
 inline void store8(float* p, v8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
-// Eight bfloat16 entries (their bits) widened to float32: the bits are the top half of the float's.
-typedef uint16_t h8 __attribute__((vector_size(16)));
-typedef uint32_t u8 __attribute__((vector_size(32)));
-inline v8 load8(const uint16_t* p) {
-  h8 h;
-  __builtin_memcpy(&h, p, sizeof(h));
-  const u8 bits = __builtin_convertvector(h, u8) << 16;
-  v8 v;
-  __builtin_memcpy(&v, &bits, sizeof(v));
-  return v;
-}
+// Eight bfloat16 entries (their bits) widened to float32.
+inline v8 load8(const uint16_t* p) { return widen_bits<v8, h8, u8>(p); }
 
 #if defined(__FMA__)
 inline v8 fma8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }

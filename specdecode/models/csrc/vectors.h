@@ -34,24 +34,32 @@ inline vf load_v(const float* p) {
   return v;
 }
 
-// bfloat16 weights widened to float32: a bfloat16 is the top half of a float32, so the widening is exact
-// and costs a shift; the weights stream at half the bytes, the arithmetic stays float32.
+// bfloat16 entries (their bits) widened to float32 at any vector width F (H: as many 16-bit lanes, U: 32-bit):
+// a bfloat16 is the top half of a float32, so the widening is exact and costs a shift.
+template <typename F, typename H, typename U>
+inline F widen_bits(const uint16_t* p) {
+  H half;
+  __builtin_memcpy(&half, p, sizeof(half));
+  const U wide = __builtin_convertvector(half, U) << 16;
+  F v;
+  __builtin_memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
+// bfloat16 weights widened to float32: the weights stream at half the bytes, the arithmetic stays float32.
 inline vf load_v(const at::BFloat16* p) {
 #if defined(__AVX512F__)  // one widening instruction: the generic conversion took two halves and a shuffle
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 #else
-  u16v half;
-  __builtin_memcpy(&half, p, sizeof(half));
-  const u32v wide = __builtin_convertvector(half, u32v) << 16;
-  vf v;
-  __builtin_memcpy(&v, &wide, sizeof(v));
-  return v;
+  return widen_bits<vf, u16v, u32v>(reinterpret_cast<const uint16_t*>(p));
 #endif
 }
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
+typedef uint16_t h8 __attribute__((vector_size(16)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
 
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
