@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
-from specdecode.engine.scheduler import prefix_survival
 from specdecode.engine.sps import profile_target
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
@@ -290,11 +289,15 @@ class SuffixDrafter(Drafter):
         if self.steps_per_s is None or not confidences:
             keep = min(cap, len(confidences))
             return keep, 1 + expected_accepted(confidences[:keep])
-        expected = 1 + prefix_survival(torch.tensor(confidences)).cumsum(0)
         plain = self.steps_per_s(1)
-        rates = [1.0] + [float(expected[n - 1]) * self.steps_per_s(n + 1) / plain for n in range(1, len(expected) + 1)]
-        keep = max(range(len(rates)), key=rates.__getitem__)
-        return keep, rates[keep]
+        keep, best, survived, path = 0, 1.0, 0.0, 1.0
+        for n, confidence in enumerate(confidences, 1):  # plain floats: tensor ops took 0.19 ms of a 10 ms round
+            path *= float(confidence)  # the odds that drafts 1..n all survive
+            survived += path
+            rate = (1 + survived) * self.steps_per_s(n + 1) / plain
+            if rate > best:
+                keep, best = n, rate
+        return keep, best
 
     def observe(self, ids: list[int], num_accepted: int, features) -> None:
         """Score the last proposal against what was committed, whichever drafter's proposal was verified: a
