@@ -362,6 +362,11 @@ def _layer_entries(shape: ModelShape) -> list[tuple[int, bool]]:
     return entries
 
 
+def kv_read_bytes(shape: ModelShape, context_len: int, nbytes: float) -> float:
+    """Bytes of one layer's KV cache that a pass attending to `context_len` cached tokens reads."""
+    return 2 * context_len * shape.kv_dim * nbytes
+
+
 def pass_cost(
     shape: ModelShape,
     hw: Hardware,
@@ -379,7 +384,7 @@ def pass_cost(
     flops = hw.flops_for(dtype)
     bandwidth = hw.bandwidth_bytes_per_s
     attn_flops = 4 * context_len * shape.q_dim * positions
-    kv_bytes = 2 * context_len * shape.kv_dim * nbytes if include_kv_read else 0
+    kv_bytes = kv_read_bytes(shape, context_len, nbytes) if include_kv_read else 0
     read_s = math_s = pass_s = 0.0
     for params, is_layer in _layer_entries(shape):
         read = (params * nbytes + (kv_bytes if is_layer else 0)) / bandwidth

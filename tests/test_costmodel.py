@@ -19,6 +19,7 @@ from specdecode.costmodel import (
     format_cost_table,
     gate_matrix_bytes,
     get_hardware,
+    kv_read_bytes,
     pass_cost,
     probe_cpu_hardware,
 )
@@ -94,6 +95,19 @@ def test_context_adds_attention_math_and_optional_kv_read():
     assert ctx.read_ms == bare.read_ms
     kv_bytes = 32 * 2 * 8192 * 8 * 128 * 2
     assert kv.read_ms - bare.read_ms == pytest.approx(kv_bytes / 3.35e12 * 1e3)
+
+
+def test_kv_read_bytes_are_the_runner_caches_bytes():
+    """The premise's roofline counts the KV cache a pass reads: per layer, what the runner's cache holds for that
+    many entries (keys and values, in its dtype)."""
+    from tests.conftest import tiny_target
+
+    target = tiny_target()
+    shape = ModelShape.from_hf_config(target.config.to_dict())
+    runner = target.runner
+    for entries in (1, 37):
+        cache = runner.new_cache(1, entries)
+        assert shape.num_layers * kv_read_bytes(shape, entries, runner.cache_dtype.itemsize) == cache.nbytes
 
 
 # ---- parameter counts --------------------------------------------------------------------------------

@@ -112,7 +112,8 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
     variants = list(targets)
     chosen = {"dtype": str(default.dtype), "kernel_per_rows": default.runner.kernel_plan["choice"]}
     weights_read = default.runner.weight_bytes_read(1)
-    cache_read = {c: 2 * c * shape.kv_dim * shape.num_layers * default.runner.cache_dtype.itemsize for c in contexts}
+    itemsize = default.runner.cache_dtype.itemsize
+    cache_read = {c: shape.num_layers * costmodel.kv_read_bytes(shape, c, itemsize) for c in contexts}
     read_roofline_ms = {c: (weights_read + cache_read[c]) / hardware.bandwidth_bytes_per_s * 1e3 for c in contexts}
     batched = batched_decoding(default, contexts, reps, generator)
     summary = _summary(runs, contexts, positions, read_roofline_ms) + "\n\n" + _batched_table(batched)
