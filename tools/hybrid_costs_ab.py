@@ -71,7 +71,6 @@ def main() -> None:
                 cells.setdefault((temperature, name, benchmark), []).append(
                     (stats.tokens_per_s / base.stats.tokens_per_s, accepted, model_share)
                 )
-    costs = pricings["verified drafts (shipped)"]
     header = "| T | model round priced by (3 / 7 drafts verified) | mean speedup | " + " | ".join(BENCHMARKS)
     header += " | accepted | model rounds |"
     runs, lines = [], [header, "|---|---|---:|" + "---:|" * (len(BENCHMARKS) + 2)]
