@@ -257,7 +257,7 @@ def test_cached_attention_matches_sdpa_and_each_query_alone(head_dim, dtype):
             scored[r], keys[slot].float(), values[slot].float(), attn_mask=visible, scale=scale
         )
         torch.testing.assert_close(out[r], expected, atol=tolerance, rtol=tolerance)
-        for m in (0, 5, 6, 7, 14):
+        for m in range(limits.shape[1]):
             one = slice(m, m + 1)
             alone = attend(q[r : r + 1, :, one], keys, values, rows[r : r + 1], limits[r : r + 1, one], scale)
             assert torch.equal(alone[0, :, 0], out[r, :, m])
