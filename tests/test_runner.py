@@ -356,11 +356,11 @@ def test_the_default_target_streams_its_gguf_rows_with_the_same_logits(smollm2):
     not cpu_kernels_available() or not torch.ops.specdecode.bfloat16_panels(), reason="no native bfloat16 products"
 )
 def test_bfloat16_panels_are_exact_per_row_and_compute_the_rounded_product():
-    """The panel layout: row r's output is bit-identical alone (two groups at a time, and a last one alone: 3
-    groups) or beside up to 39 other rows (tiles of 1-6 rows, several tiles a group), and equals the product of
-    the bfloat16-rounded rows and weights."""
+    """The panel layout: row r's output is bit-identical alone (four groups at a time, then two, then one: 7
+    groups on one or two threads) or beside up to 39 other rows (tiles of 1-6 rows, several tiles a group), and
+    equals the product of the bfloat16-rounded rows and weights."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(192, 202, generator=generator).bfloat16()
+    weight = torch.randn(448, 202, generator=generator).bfloat16()
     assert panels_fit(weight) and not panels_fit(weight[:100]) and not panels_fit(weight.float())
     panels = pack_panels(weight)
     x = torch.randn(40, 202, generator=generator)
@@ -368,7 +368,7 @@ def test_bfloat16_panels_are_exact_per_row_and_compute_the_rounded_product():
     for m in (2, 3, 5, 6, 7, 8, 12, 13, 16, 40):
         assert torch.equal(torch.ops.specdecode.few_rows_linear(x[:m], panels), alone[:m]), m
     torch.testing.assert_close(alone, x.bfloat16().float() @ weight.float().T, atol=1e-4, rtol=1e-5)
-    assert Linear(weight).kernel_weight.shape == (3, 101, 128)
+    assert Linear(weight).kernel_weight.shape == (7, 101, 128)
 
 
 def test_forced_kernels_compute_the_same_and_auto_picks_a_measured_candidate(tmp_path, monkeypatch):
