@@ -356,9 +356,9 @@ def test_the_default_target_streams_its_gguf_rows_with_the_same_logits(smollm2):
     not cpu_kernels_available() or not torch.ops.specdecode.bfloat16_panels(), reason="no native bfloat16 products"
 )
 def test_bfloat16_panels_are_exact_per_row_and_compute_the_rounded_product():
-    """The panel layout: row r's output is bit-identical alone (four groups at a time, then two, then one: 7
-    groups on one or two threads) or beside up to 39 other rows (tiles of 1-6 rows, several tiles a group), and
-    equals the product of the bfloat16-rounded rows and weights."""
+    """The panel layout: row r's output is bit-identical alone (four groups at a time, then one by one: 7 groups
+    on one or two threads) or beside up to 39 other rows (two rows two groups at a time; tiles of 3-6 rows,
+    several tiles a group), and equals the product of the bfloat16-rounded rows and weights."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(448, 202, generator=generator).bfloat16()
     assert panels_fit(weight) and not panels_fit(weight[:100]) and not panels_fit(weight.float())

@@ -344,61 +344,61 @@ static void block_linear(const float* x, const B* W, float* Y, int64_t M, int64_
 // are, so a row's result never depends on the other rows of its pass.
 constexpr int64_t kPanelOutputs = 64;
 
-// Rows m0 .. m0 + MT - 1 against one group: 4 x MT accumulators of 16 outputs each. `ahead` (or null):
-// this tile's share of the next group's weights, `ahead_lines` 64-byte lines asked of the caches along the way.
-template <int MT>
-static inline void panel_tile(const uint32_t* X, const at::BFloat16* P, float* Y, int64_t m0, int64_t n0, int64_t K2,
-                              int64_t N, const char* ahead, int64_t ahead_lines) {
-  __m512 acc[MT][4];
-  for (int m = 0; m < MT; ++m)
-    for (int p = 0; p < 4; ++p) acc[m][p] = _mm512_setzero_ps();
+// Rows 0 .. MT - 1 of X (and Y) against G consecutive groups from P: 4 G MT accumulators of 16 outputs each.
+// `ahead` (or null): this tile's share of the next group's weights, `ahead_lines` 64-byte lines asked of the
+// caches along the way. Whatever G is, each output is summed pair by pair from k = 0.
+// G > 1 serves one or two rows: one group gives them 4 or 8 chains of products, too few to hide the vdpbf16ps
+// latency. On a Zen 4 EPYC a one-row pass streamed its weights at 38 GB/s against 41-44 at 2-4 rows; two groups at
+// a time made the model's one-row linears 2-10% faster, four another 2-6%, and two rows two groups at a time 1-5%
+// (three rows: mixed, the LM head 3-5% slower; interleaved A/Bs).
+template <int MT, int G>
+static inline void panel_groups(const uint32_t* X, const at::BFloat16* P, float* Y, int64_t n0, int64_t K2, int64_t N,
+                                const char* ahead = nullptr, int64_t ahead_lines = 0) {
+  __m512 acc[G][MT][4];
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < MT; ++m)
+      for (int p = 0; p < 4; ++p) acc[g][m][p] = _mm512_setzero_ps();
   int64_t asked = 0;
   for (int64_t j = 0; j < K2; ++j) {
-    const at::BFloat16* wj = P + j * 128;
     if (ahead != nullptr) {
       for (const int64_t due = (j + 1) * ahead_lines / K2; asked < due; ++asked)
         _mm_prefetch(ahead + asked * 64, _MM_HINT_T1);
     }
-    __m512bh w[4];
-    for (int p = 0; p < 4; ++p) w[p] = (__m512bh)_mm512_loadu_si512(wj + p * 32);
-    for (int m = 0; m < MT; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(X[(m0 + m) * K2 + j]));
-      for (int p = 0; p < 4; ++p) acc[m][p] = _mm512_dpbf16_ps(acc[m][p], xb, w[p]);
+    for (int g = 0; g < G; ++g) {
+      __m512bh w[4];
+      for (int p = 0; p < 4; ++p) w[p] = (__m512bh)_mm512_loadu_si512(P + g * K2 * 128 + j * 128 + p * 32);
+      for (int m = 0; m < MT; ++m) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(X[m * K2 + j]));
+        for (int p = 0; p < 4; ++p) acc[g][m][p] = _mm512_dpbf16_ps(acc[g][m][p], xb, w[p]);
+      }
     }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int p = 0; p < 4; ++p) _mm512_storeu_ps(Y + (m0 + m) * N + n0 + p * 16, acc[m][p]);
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < MT; ++m)
+      for (int p = 0; p < 4; ++p) _mm512_storeu_ps(Y + m * N + n0 + g * kPanelOutputs + p * 16, acc[g][m][p]);
 }
 
-// One row against G consecutive groups at once: 4 G chains of products, where one group's 4 left the vdpbf16ps
-// latency exposed. On a Zen 4 EPYC a one-row pass streamed its weights at 38 GB/s against 41-44 at 2-4 rows; two
-// groups at a time made the model's one-row linears 2-10% faster, four another 2-6% (interleaved A/Bs). Each
-// output is still summed pair by pair from k = 0: the same bits as panel_tile<1>.
-template <int G>
-static inline void panel_groups_one_row(const uint32_t* X, const at::BFloat16* P, float* Y, int64_t n0, int64_t K2) {
-  __m512 acc[G][4];
-  for (int g = 0; g < G; ++g)
-    for (int p = 0; p < 4; ++p) acc[g][p] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < K2; ++j) {
-    const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(X[j]));
-    for (int g = 0; g < G; ++g)
-      for (int p = 0; p < 4; ++p)
-        acc[g][p] = _mm512_dpbf16_ps(acc[g][p], xb, (__m512bh)_mm512_loadu_si512(P + g * K2 * 128 + j * 128 + p * 32));
-  }
-  for (int g = 0; g < G; ++g)
-    for (int p = 0; p < 4; ++p) _mm512_storeu_ps(Y + n0 + g * kPanelOutputs + p * 16, acc[g][p]);
+// Rows 0 .. MT - 1 (one tile) against groups g0 .. g1 - 1, G at a time, then the rest one by one.
+template <int MT, int G>
+static inline void panel_span(const uint32_t* X, const at::BFloat16* P, float* Y, int64_t g0, int64_t g1, int64_t K2,
+                              int64_t N) {
+  int64_t g = g0;
+  for (; g + G <= g1; g += G) panel_groups<MT, G>(X, P + g * K2 * 128, Y, g * kPanelOutputs, K2, N);
+  for (; g < g1; ++g) panel_groups<MT, 1>(X, P + g * K2 * 128, Y, g * kPanelOutputs, K2, N);
 }
 
 static inline void panel_rows(const uint32_t* X, const at::BFloat16* P, float* Y, int64_t m0, int64_t rows,
                               int64_t n0, int64_t K2, int64_t N, const char* ahead, int64_t ahead_lines) {
+  X += m0 * K2;
+  Y += m0 * N;
   switch (rows) {
-    case 1: return panel_tile<1>(X, P, Y, m0, n0, K2, N, ahead, ahead_lines);
-    case 2: return panel_tile<2>(X, P, Y, m0, n0, K2, N, ahead, ahead_lines);
-    case 3: return panel_tile<3>(X, P, Y, m0, n0, K2, N, ahead, ahead_lines);
-    case 4: return panel_tile<4>(X, P, Y, m0, n0, K2, N, ahead, ahead_lines);
-    case 5: return panel_tile<5>(X, P, Y, m0, n0, K2, N, ahead, ahead_lines);
-    case 6: return panel_tile<6>(X, P, Y, m0, n0, K2, N, ahead, ahead_lines);
-    default: return panel_tile<7>(X, P, Y, m0, n0, K2, N, ahead, ahead_lines);
+    case 1: return panel_groups<1, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
+    case 2: return panel_groups<2, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
+    case 3: return panel_groups<3, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
+    case 4: return panel_groups<4, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
+    case 5: return panel_groups<5, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
+    case 6: return panel_groups<6, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
+    default: return panel_groups<7, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
   }
 }
 
@@ -423,12 +423,10 @@ static torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels) {
   auto y = torch::empty({M, N}, x.options());
   float* Y = y.data_ptr<float>();
   const int64_t tiles = M == 7 ? 1 : (M + 5) / 6;
-  if (M == 1) {
+  if (M <= 2) {
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      int64_t g = g0;
-      for (; g + 3 < g1; g += 4) panel_groups_one_row<4>(X, P + g * K2 * 128, Y, g * kPanelOutputs, K2);
-      for (; g + 1 < g1; g += 2) panel_groups_one_row<2>(X, P + g * K2 * 128, Y, g * kPanelOutputs, K2);
-      if (g < g1) panel_rows(X, P + g * K2 * 128, Y, 0, 1, g * kPanelOutputs, K2, N, nullptr, 0);
+      if (M == 1) panel_span<1, 4>(X, P, Y, g0, g1, K2, N);
+      else panel_span<2, 2>(X, P, Y, g0, g1, K2, N);
     });
     return y;
   }
