@@ -18,7 +18,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "vectors.h"
 
@@ -402,6 +404,19 @@ static inline void panel_rows(const uint32_t* X, const at::BFloat16* P, float* Y
   }
 }
 
+// n floats rounded to bfloat16 as c10::BFloat16 rounds them (nearest even; NaN becomes 0x7FC0), packed in pairs.
+// An ATen conversion per linear cost ~1-2 us of dispatch and allocation, 122 of them a one-token pass.
+static std::vector<uint32_t> bfloat16_pairs(const float* x, int64_t n) {
+  std::vector<uint32_t> pairs((n + 1) / 2);
+  auto* halves = reinterpret_cast<uint16_t*>(pairs.data());
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    halves[i] = x[i] != x[i] ? 0x7FC0 : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  }
+  return pairs;
+}
+
 // Rows split into near-equal tiles of at most six (24 accumulators + 4 weight vectors fit the 32 registers);
 // a group's weights come from memory for the first tile and from cache for the others. Measured on a Zen 4
 // EPYC (2 cores, 233 G products/s of vdpbf16ps at peak): 160-180 G/s at 4-16 rows on a 3072 x 576 matrix;
@@ -417,8 +432,8 @@ static inline void panel_rows(const uint32_t* X, const at::BFloat16* P, float* Y
 static torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels) {
   const int64_t M = x.size(0), groups = panels.size(0), K2 = panels.size(1), N = groups * kPanelOutputs;
   TORCH_CHECK(x.size(1) == 2 * K2 && panels.size(2) == 128 && panels.is_contiguous(), "few_rows_linear: panels");
-  const auto rows = x.to(at::kBFloat16).contiguous();  // round to nearest even, once per pass
-  const uint32_t* X = reinterpret_cast<const uint32_t*>(rows.data_ptr<at::BFloat16>());
+  const std::vector<uint32_t> rows = bfloat16_pairs(x.data_ptr<float>(), M * 2 * K2);  // once per pass
+  const uint32_t* X = rows.data();
   const at::BFloat16* P = panels.data_ptr<at::BFloat16>();
   auto y = torch::empty({M, N}, x.options());
   float* Y = y.data_ptr<float>();
