@@ -400,7 +400,8 @@ static inline void panel_rows(const uint32_t* X, const at::BFloat16* P, float* Y
     case 4: return panel_groups<4, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
     case 5: return panel_groups<5, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
     case 6: return panel_groups<6, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
-    default: return panel_groups<7, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
+    case 7: return panel_groups<7, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
+    default: return panel_groups<8, 1>(X, P, Y, n0, K2, N, ahead, ahead_lines);
   }
 }
 
@@ -421,14 +422,16 @@ static std::vector<uint32_t> bfloat16_pairs(const float* x, int64_t n) {
 // a group's weights come from memory for the first tile and from cache for the others. Measured on a Zen 4
 // EPYC (2 cores, 233 G products/s of vdpbf16ps at peak): 160-180 G/s at 4-16 rows on a 3072 x 576 matrix;
 // the model's linears at 8 rows cost 1.1-1.3x one row (the row-layout tiles: 1.5-2x).
-// Seven rows (a block drafter's block, a verify pass of six drafts) take one tile all the same: its 28
-// accumulators do not all fit and the compiler keeps some in L1, yet a whole pass at 7 positions measured
-// 12.3 -> 11.6 ms (128 cached tokens) and 14.6 -> 13.5 ms (512) against a 4 + 3 split (Zen 4 EPYC,
-// interleaved, medians of 20; the same bits).
+// Seven and eight rows (a block drafter's block, a verify pass of six or seven drafts) take one tile all the
+// same: their 28 and 32 accumulators do not all fit and the compiler keeps some in L1, yet a whole pass at 7
+// positions measured 12.3 -> 11.6 ms (128 cached tokens) and 14.6 -> 13.5 ms (512) against a 4 + 3 split, and
+// at 8 positions 11.15 -> 10.41, 12.62 -> 11.79 and 14.02 -> 13.27 ms (128 / 512 / 1,024) against 4 + 4, the
+// model's linears alone 1.12-1.25x faster (Zen 4 EPYC, interleaved, medians of 20-25; the same bits). At 12
+// and 16 rows two tiles of 8 tied and lost (0.90-0.95x) against tiles of at most six.
 // With more than one tile, memory would idle while the later tiles multiply from cache, so every tile asks
 // for its share of the next group's weights as it goes: a whole pass at 8 positions 21.1 -> 18.6 ms, 16
 // positions 29.7 -> 26.8 ms (one position 12.1 ms either way; interleaved, 300 cached tokens, Zen 4 EPYC).
-// One tile (up to six rows) streams well on the hardware's own prefetch; asking ahead there measured slower.
+// One tile (up to eight rows) streams well on the hardware's own prefetch; asking ahead there measured slower.
 static torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels) {
   const int64_t M = x.size(0), groups = panels.size(0), K2 = panels.size(1), N = groups * kPanelOutputs;
   TORCH_CHECK(x.size(1) == 2 * K2 && panels.size(2) == 128 && panels.is_contiguous(), "few_rows_linear: panels");
@@ -437,7 +440,7 @@ static torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels) {
   const at::BFloat16* P = panels.data_ptr<at::BFloat16>();
   auto y = torch::empty({M, N}, x.options());
   float* Y = y.data_ptr<float>();
-  const int64_t tiles = M == 7 ? 1 : (M + 5) / 6;
+  const int64_t tiles = M <= 8 ? 1 : (M + 5) / 6;
   if (M <= 2) {
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       if (M == 1) panel_span<1, 4>(X, P, Y, g0, g1, K2, N);
