@@ -357,16 +357,23 @@ def test_the_default_target_streams_its_gguf_rows_with_the_same_logits(smollm2):
 )
 def test_bfloat16_panels_are_exact_per_row_and_compute_the_rounded_product():
     """The panel layout: row r's output is bit-identical alone (four groups at a time, then one by one: 7 groups
-    on one or two threads) or beside up to 39 other rows (two rows two groups at a time; tiles of 3-6 rows,
-    several tiles a group), and equals the product of the bfloat16-rounded rows and weights."""
+    on one thread and on two) or beside up to 39 other rows (two rows two groups at a time; one tile up to eight
+    rows, then tiles of at most six, several a group), and equals the product of the bfloat16-rounded rows and
+    weights."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(448, 202, generator=generator).bfloat16()
     assert panels_fit(weight) and not panels_fit(weight[:100]) and not panels_fit(weight.float())
     panels = pack_panels(weight)
     x = torch.randn(40, 202, generator=generator)
-    alone = torch.cat([torch.ops.specdecode.few_rows_linear(x[r : r + 1], panels) for r in range(len(x))])
-    for m in (2, 3, 5, 6, 7, 8, 12, 13, 16, 40):
-        assert torch.equal(torch.ops.specdecode.few_rows_linear(x[:m], panels), alone[:m]), m
+    threads = torch.get_num_threads()
+    try:
+        for count in sorted({1, 2, threads}):
+            torch.set_num_threads(count)
+            alone = torch.cat([torch.ops.specdecode.few_rows_linear(x[r : r + 1], panels) for r in range(len(x))])
+            for m in (2, 3, 5, 6, 7, 8, 9, 12, 13, 16, 40):
+                assert torch.equal(torch.ops.specdecode.few_rows_linear(x[:m], panels), alone[:m]), (count, m)
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(alone, x.bfloat16().float() @ weight.float().T, atol=1e-4, rtol=1e-5)
     assert Linear(weight).kernel_weight.shape == (7, 101, 128)
 

@@ -418,8 +418,8 @@ static std::vector<uint32_t> bfloat16_pairs(const float* x, int64_t n) {
   return pairs;
 }
 
-// Rows split into near-equal tiles of at most six (24 accumulators + 4 weight vectors fit the 32 registers);
-// a group's weights come from memory for the first tile and from cache for the others. Measured on a Zen 4
+// From nine rows, rows split into near-equal tiles of at most six (24 accumulators + 4 weight vectors fit the 32
+// registers); a group's weights come from memory for the first tile and from cache for the others. Measured on a Zen 4
 // EPYC (2 cores, 233 G products/s of vdpbf16ps at peak): 160-180 G/s at 4-16 rows on a 3072 x 576 matrix;
 // the model's linears at 8 rows cost 1.1-1.3x one row (the row-layout tiles: 1.5-2x).
 // Seven and eight rows (a block drafter's block, a verify pass of six or seven drafts) take one tile all the
