@@ -233,7 +233,7 @@ class HybridDrafter(Drafter):
             while kept < len(tokens) and position + kept < len(ids) and ids[position + kept] == tokens[kept]:
                 kept += 1
             for estimate in (self.model_yield, shared.model_yield):
-                estimate.update(self.model_verified, kept)
+                estimate.update(len(tokens), kept)
 
     def forget(self) -> None:
         self.model.forget()
