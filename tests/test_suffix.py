@@ -31,9 +31,8 @@ from tests.test_lossless import exact_two_token_distribution
 from tests.test_verify import chi_square_pvalue
 
 GREEDY = SamplingParams()
-EQUAL_COSTS = RoundCosts.flat(
-    1.0, 1.0
-)  # rounds with and without the model cost alike: choices follow the expectations alone
+# rounds with and without the model cost alike: choices follow the expectations alone
+EQUAL_COSTS = RoundCosts.flat(1.0, 1.0)
 
 
 def flat_passes(tokens: int) -> float:
