@@ -264,25 +264,32 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, full in _TORCH_DTYPE_NAMES.items() if str(dtype) == f"torch.{full}")
 
 
-@functools.lru_cache(maxsize=1)
-def _probe_cpu_bandwidth() -> float:
-    """Best-of-several read bandwidth in bytes/s, from summing one 256 MiB fp32 buffer.
+READ_PROBE_BYTES = 256 * 2**20  # far beyond any per-core cache share
 
-    A decode step streams its weights once and writes little, so read bandwidth is what matters. 256 MiB
-    is far beyond any per-core cache share; a larger buffer measured the same here but faulting its pages
-    in took seconds on a busy machine.
-    """
+
+def read_probe_buffer():
+    """The buffer the read-bandwidth probe sums: 256 MiB of float32 ones (ones, not empty: its pages fault in
+    now, not in a timed read). A larger buffer measured the same here but faulting its pages in took seconds on
+    a busy machine."""
     import torch
 
-    nbytes = 256 * 2**20
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)  # ones, not empty: fault the pages in now
-    buf.sum()  # warm-up
-    best = 0.0
-    for _ in range(4):
-        start = time.perf_counter()
-        buf.sum()
-        best = max(best, nbytes / (time.perf_counter() - start))
-    return best
+    return torch.ones(READ_PROBE_BYTES // 4, dtype=torch.float32)
+
+
+def read_bandwidth(buffer) -> float:
+    """Bytes/s of one timed sum over `buffer`: a decode step streams its weights once and writes little, so read
+    bandwidth is what matters."""
+    start = time.perf_counter()
+    buffer.sum()
+    return buffer.nbytes / (time.perf_counter() - start)
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_cpu_bandwidth() -> float:
+    """Best-of-several read bandwidth in bytes/s (`read_bandwidth`)."""
+    buffer = read_probe_buffer()
+    buffer.sum()  # warm-up
+    return max(read_bandwidth(buffer) for _ in range(4))
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import statistics
 
 import pytest
 
@@ -108,6 +109,38 @@ def test_kv_read_bytes_are_the_runner_caches_bytes():
     for entries in (1, 37):
         cache = runner.new_cache(1, entries)
         assert shape.num_layers * kv_read_bytes(shape, entries, runner.cache_dtype.itemsize) == cache.nbytes
+
+
+def test_premise_pairs_each_repetition_with_its_own_bandwidth_probe():
+    """A machine that halves its bandwidth for half the repetitions doubles their pass times: the paired ratio
+    stays that of either state, where one probe taken in the fast state would call every slow pass 2x over."""
+    from specdecode.evaluation.premise import paired_roofline_ratio
+
+    bytes_read = 300e6
+    fast, slow = 60e9, 30e9
+    times = [1.5 * bytes_read / fast * 1e3] * 3 + [1.5 * bytes_read / slow * 1e3] * 4  # 1.5x the roofline in each
+    assert paired_roofline_ratio(times, [fast] * 3 + [slow] * 4, bytes_read) == pytest.approx(1.5)
+    assert statistics.median(times) / (bytes_read / fast * 1e3) == pytest.approx(3.0)  # unpaired, fast probe
+
+
+def test_premise_runs_end_to_end_on_a_local_model(tmp_path):
+    """`bench premise` on a tiny local model folder: one bandwidth probe per kept repetition and context, the
+    paired t(1) / read roofline in the JSON and in the summary table."""
+    from specdecode.evaluation.premise import run_premise
+    from tests.conftest import tiny_llama, tiny_tokenizer
+
+    folder = tmp_path / "tiny"
+    tiny_llama(vocab_size=160).save_pretrained(folder)  # the premise draws token ids from 100 up
+    tiny_tokenizer(160).save_pretrained(folder)
+    run_premise(str(folder), positions=[1, 2], contexts=[6, 12], reps=2, out_dir=str(tmp_path / "out"))
+    data = json.loads((tmp_path / "out" / "premise.json").read_text())
+    samples = data["cpu_probe"]["read_gb_per_s_per_repetition"]
+    assert {c: len(v) for c, v in samples.items()} == {"6": 2, "12": 2}
+    assert all(b > 0 for v in samples.values() for b in v)
+    paired = data["t1_over_read_roofline_paired"]
+    assert set(paired) == {"6", "12"} and all(r > 0 for r in paired.values())
+    summary = (tmp_path / "out" / "premise.md").read_text()
+    assert f"| {paired['6']:.2f} |" in summary
 
 
 # ---- parameter counts --------------------------------------------------------------------------------
