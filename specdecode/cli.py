@@ -69,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-length", type=int, default=8, help="draft tokens verified per round")
     g.add_argument(
         "--scheduler",
-        default="fixed",
-        choices=["fixed", "prefix", "threshold"],
-        help="how many drafts to verify: all (fixed), DSpark's Algorithm 1 (prefix), or a confidence threshold",
+        default="auto",
+        choices=["auto", "fixed", "prefix", "threshold"],
+        help="how many drafts to verify: all (fixed), DSpark's Algorithm 1 (prefix), or a confidence threshold; "
+        "auto (the default): prefix for a chain drafter with confidences (DSpark, the default drafter), else fixed",
     )
     g.add_argument("--threshold", type=float, default=0.5, help="confidence cut of the threshold scheduler")
     _add_tree_arg(g)
@@ -313,7 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
     _add_target_args(sv)
     sv.add_argument("--drafter", default="default", help=DRAFTER_HELP)
-    sv.add_argument("--scheduler", default="fixed", choices=["prefix", "fixed", "threshold"])
+    sv.add_argument(
+        "--scheduler",
+        default="auto",
+        choices=["auto", "prefix", "fixed", "threshold"],
+        help="auto (the default): prefix, with its drafting gate, for a drafter with confidences, else fixed",
+    )
     sv.add_argument("--draft-length", type=int, default=7, help="most draft tokens verified per request and step")
     sv.add_argument("--threshold", type=float, default=0.5, help="for --scheduler threshold: the confidence cut")
     sv.add_argument(
@@ -450,6 +456,7 @@ def _note(message: str) -> None:
 def cmd_generate(args) -> None:
     from specdecode.drafters import build_drafter
     from specdecode.engine.decode import SpeculativeDecoder
+    from specdecode.engine.scheduler import resolve_scheduler
     from specdecode.sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p)  # validate before loading anything
@@ -458,7 +465,8 @@ def cmd_generate(args) -> None:
         raise SpecDecodeError("the prompt is empty")
     target = _load_target(args)
     drafter = build_drafter(args.drafter, target, args.draft_model)
-    decoder = SpeculativeDecoder(target, drafter, args.draft_length, tree, args.scheduler, args.threshold)
+    scheduler = resolve_scheduler(args.scheduler, drafter, tree is not None)
+    decoder = SpeculativeDecoder(target, drafter, args.draft_length, tree, scheduler, args.threshold)
     prompt_ids = target.encode(args.prompt, chat=not args.raw)
     stream = not args.json and args.num_samples == 1
     completions = decoder.generate(
@@ -476,6 +484,7 @@ def cmd_generate(args) -> None:
                 {
                     "target": target.name,
                     "drafter": args.drafter,
+                    "scheduler": scheduler,
                     "completions": [
                         {
                             "text": c.text,
@@ -854,15 +863,16 @@ def cmd_export(args) -> None:
 def cmd_serve(args) -> None:
     from specdecode.drafters import build_drafter
     from specdecode.engine.continuous import ContinuousEngine, EngineConfig
-    from specdecode.engine.scheduler import has_confidences
+    from specdecode.engine.scheduler import has_confidences, resolve_scheduler
     from specdecode.serving.app import serve
 
     target = _load_target(args)
     drafter = build_drafter(args.drafter, target)
+    scheduler = resolve_scheduler(args.scheduler, drafter)
     config = EngineConfig(
-        args.max_batch, args.max_len, args.draft_length, args.scheduler, args.threshold, not args.no_drafting_gate
+        args.max_batch, args.max_len, args.draft_length, scheduler, args.threshold, not args.no_drafting_gate
     )
-    if args.scheduler == "prefix" and has_confidences(drafter):
+    if scheduler == "prefix" and has_confidences(drafter):
         _note("measuring this machine's SPS(B) table for the prefix scheduler (cached after the first time)")
     engine = ContinuousEngine(target, drafter, config)
     _note(f"KV cache: {args.max_batch} slots x {args.max_len} tokens = {engine.batched.nbytes / 2**20:.0f} MiB")

@@ -5,7 +5,7 @@ import sys
 from specdecode.drafters import Drafter, build_drafter
 from specdecode.drafters.shipped import shipped_drafter
 from specdecode.engine.decode import SpeculativeDecoder
-from specdecode.engine.scheduler import has_confidences
+from specdecode.engine.scheduler import AUTO, resolve_scheduler
 from specdecode.evaluation.baselines import PROMPT_GROUPS
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
@@ -17,7 +17,7 @@ DEMO_PROMPTS = (*PROMPT_GROUPS["repeat"][:2], PROMPT_GROUPS["chat"][1])
 def run_demo(target: Target, drafter_spec: str, max_new_tokens: int) -> None:
     drafter = build_drafter(drafter_spec, target)
     normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
-    scheduler = "prefix" if has_confidences(drafter) else "fixed"  # DSpark verifies only the drafts that pay
+    scheduler = resolve_scheduler(AUTO, drafter)  # DSpark verifies only the drafts that pay
     speculative = SpeculativeDecoder(target, drafter, draft_length=8, scheduler=scheduler)
     params = SamplingParams(temperature=0.0)
     rows = []

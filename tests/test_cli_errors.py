@@ -119,6 +119,7 @@ def test_generate_json_success(converted_target):
     done = run_cli("generate", "Say hi.", "--max-new-tokens", "8", "--json", "--drafter", "ngram")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
+    assert result["scheduler"] == "fixed"  # `auto`: n-gram drafts carry no confidences
     assert len(result["completions"]) == 1
     completion = result["completions"][0]
     for key in ("text", "token_ids", "accepted_lengths", "mean_accepted_length", "target_passes", "wall_s"):
@@ -128,6 +129,20 @@ def test_generate_json_success(converted_target):
     assert all(isinstance(t, int) for t in completion["token_ids"])
     assert sum(completion["accepted_lengths"]) >= len(completion["token_ids"])
     assert completion["target_passes"] == len(completion["accepted_lengths"])
+
+
+def test_generate_defaults_to_the_prefix_scheduler_and_stays_lossless(converted_target):
+    """With no options, `generate` runs the default drafter (suffix decoding + the shipped DSpark) under DSpark's
+    prefix scheduler, and at temperature 0 its tokens are normal greedy decoding's."""
+    runs = {}
+    args = ("generate", "List three prime numbers.", "--max-new-tokens", "24", "--json")
+    for drafter in ("default", "none"):
+        done = run_cli(*args, "--drafter", drafter)
+        assert done.returncode == 0, done.stderr
+        runs[drafter] = json.loads(done.stdout)
+    assert runs["default"]["scheduler"] == "prefix" and runs["none"]["scheduler"] == "fixed"
+    tokens = {d: r["completions"][0]["token_ids"] for d, r in runs.items()}
+    assert tokens["default"] == tokens["none"] and len(tokens["none"]) >= 8
 
 
 def test_seeded_samples_are_reproducible(converted_target):

@@ -208,6 +208,20 @@ def test_scheduler_needs_confidences():
         SpeculativeDecoder(tiny_target(), NgramDrafter(), 4, scheduler="global")
 
 
+def test_auto_picks_prefix_for_chains_with_confidences():
+    """The command line's default: DSpark's scheduler where the drafter's chains carry confidences (not for trees,
+    which it cannot schedule), `fixed` for the rest; a mode given by name is kept."""
+    from specdecode.drafters.ngram import NgramDrafter
+    from specdecode.engine.scheduler import AUTO, resolve_scheduler
+
+    confident = NgramDrafter()
+    confident.has_confidences = True
+    assert resolve_scheduler(AUTO, confident) == "prefix"
+    assert resolve_scheduler(AUTO, confident, tree=True) == "fixed"
+    assert resolve_scheduler(AUTO, NgramDrafter()) == "fixed"
+    assert [resolve_scheduler(m, confident) for m in ("fixed", "threshold")] == ["fixed", "threshold"]
+
+
 def test_draft_seconds_are_measured_per_batch_size():
     """The replay's drafting cost is one batched call per step, measured for every R."""
     from specdecode.drafters.dspark import BlockDrafter
