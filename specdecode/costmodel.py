@@ -267,7 +267,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 READ_PROBE_BYTES = 256 * 2**20  # far beyond any per-core cache share
 
 
-def read_probe_buffer():
+def read_probe_buffer() -> torch.Tensor:
     """The buffer the read-bandwidth probe sums: 256 MiB of float32 ones (ones, not empty: its pages fault in
     now, not in a timed read). A larger buffer measured the same here but faulting its pages in took seconds on
     a busy machine."""
@@ -276,7 +276,7 @@ def read_probe_buffer():
     return torch.ones(READ_PROBE_BYTES // 4, dtype=torch.float32)
 
 
-def read_bandwidth(buffer) -> float:
+def read_bandwidth(buffer: torch.Tensor) -> float:
     """Bytes/s of one timed sum over `buffer`: a decode step streams its weights once and writes little, so read
     bandwidth is what matters."""
     start = time.perf_counter()

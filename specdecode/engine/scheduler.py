@@ -23,9 +23,7 @@ if TYPE_CHECKING:
     from specdecode.drafters.base import Drafter
 
 SCHEDULER_MODES = ("prefix", "threshold", "fixed")
-
-
-AUTO = "auto"  # the command line's default: `resolve_scheduler` picks
+AUTO = "auto"  # the command line's default: `resolve_scheduler` picks one of them
 
 
 def has_confidences(drafter: "Drafter") -> bool:

@@ -99,7 +99,7 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
     shape = costmodel.ModelShape.from_hf_config(default.source)
     dtype = costmodel.dtype_name(default.dtype)
     # the roofline at the bandwidth read beside the passes: the machine moves between memory states (a plain read at
-    # 29-30 or at 60-65 GB/s on a Zen 4 EPYC, for minutes at a time), and one probe after the passes (stop 46) could
+    # 29-37 or at 60-65 GB/s on a Zen 4 EPYC, for minutes at a time), and one probe after the passes (stop 46) could
     # meet the other state than they did
     bandwidth = statistics.median(b for samples in read_bytes_per_s.values() for b in samples)
     hardware = costmodel.Hardware("cpu", bandwidth, costmodel.probe_cpu_hardware(dtype).peak_flops)
