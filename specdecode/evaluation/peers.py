@@ -1,9 +1,10 @@
 """`specdecode bench peers`: this project beside Hugging Face transformers and vLLM, same prompts, one run.
 
 Variants, all greedy (temperature 0) on the same target and prompts, interleaved prompt by prompt:
-- specdecode: normal decoding, prompt lookup (`ngram`) and the shipped drafter (`default`) in the dtype the
-  machine chose; normal decoding and prompt lookup in the other dtype too (float32 and bfloat16 weights, beside
-  llama.cpp's F32 and BF16 files; bfloat16's tokens may differ from float32's where rounding flips a near tie);
+- specdecode: normal decoding, prompt lookup (`ngram`) and the shipped drafter (`default`, under the scheduler
+  `specdecode generate` picks for it by default: DSpark's prefix scheduler) in the dtype the machine chose;
+  normal decoding and prompt lookup in the other dtype too (float32 and bfloat16 weights, beside llama.cpp's F32
+  and BF16 files; bfloat16's tokens may differ from float32's where rounding flips a near tie);
 - transformers `generate()` on a stock copy of the model (no specdecode kernels): plain greedy, prompt
   lookup (`prompt_lookup_num_tokens`) and assisted generation with an `assistant_model` — no smaller
   model with SmolLM2's tokenizer exists offline, so the assistant is the target's first 4 layers, the
@@ -42,7 +43,7 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle3_export import export_eagle3
 from specdecode.drafters.shipped import shipped_drafter
 from specdecode.engine.decode import SpeculativeDecoder
-from specdecode.engine.scheduler import has_confidences
+from specdecode.engine.scheduler import AUTO, has_confidences, resolve_scheduler
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.baselines import PROMPT_GROUPS
 from specdecode.evaluation.benchmarks import load_benchmark
@@ -143,10 +144,11 @@ def run_peers(
     # the dtype the machine did not choose, beside llama.cpp's file of the same precision
     other = Target.load(target.source, dtype=other_dtype(target.dtype))
     tag = OTHER_DTYPE.format(dtype=str(other.dtype).removeprefix("torch."))
+    default = build_drafter("default", target)
     variants: dict[str, Variant] = {
         "specdecode normal": specdecode_variant(target, Drafter(), 0),
         "specdecode ngram": specdecode_variant(target, build_drafter("ngram", target), 8),
-        "specdecode default drafter": specdecode_variant(target, build_drafter("default", target), 7),
+        "specdecode default drafter": specdecode_variant(target, default, 7, resolve_scheduler(AUTO, default)),
         f"specdecode normal {tag}": specdecode_variant(other, Drafter(), 0),
         f"specdecode ngram {tag}": specdecode_variant(other, build_drafter("ngram", other), 8),
         REFERENCE: transformers_variant(stock),
