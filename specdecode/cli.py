@@ -499,16 +499,16 @@ def cmd_generate(args) -> None:
             )
         )
         return
+    if stream:
+        print(flush=True)  # end the streamed text's line before the statistics on stderr
     for i, c in enumerate(completions):
         if not stream:
             print(f"--- completion {i + 1} ---\n{c.text}")
         s = c.stats
         _note(
             f"{s.new_tokens} tokens in {s.wall_s:.2f} s ({s.tokens_per_s:.1f} tok/s), "
-            f"mean accepted length {s.mean_accepted_length:.2f}, {s.target_passes} target passes"
+            f"mean accepted length {s.mean_accepted_length:.2f}, {s.target_passes} target passes, {scheduler} scheduler"
         )
-    if stream:
-        print()
 
 
 def cmd_demo(args) -> None:
