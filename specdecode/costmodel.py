@@ -327,10 +327,12 @@ def _probe_cpu_flops(dtype: str) -> float:
     return 2 * n**3 / best
 
 
-def probe_cpu_hardware(dtype: str = "fp32") -> Hardware:
-    """Measure this machine (about a second, cached per process) instead of trusting a data sheet."""
+def probe_cpu_hardware(dtype: str = "fp32", bandwidth_bytes_per_s: float | None = None) -> Hardware:
+    """Measure this machine (about a second, cached per process) instead of trusting a data sheet; a bandwidth
+    read elsewhere (the premise's, beside the passes it prices) is taken as given and not probed again."""
     dtype_bytes(dtype)
-    return Hardware("cpu", _probe_cpu_bandwidth(), {dtype: _probe_cpu_flops(dtype)})
+    bandwidth = _probe_cpu_bandwidth() if bandwidth_bytes_per_s is None else bandwidth_bytes_per_s
+    return Hardware("cpu", bandwidth, {dtype: _probe_cpu_flops(dtype)})
 
 
 def get_hardware(name: str, dtype: str = "bf16") -> Hardware:

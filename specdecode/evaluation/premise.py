@@ -102,7 +102,7 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
     # 29-37 or at 60-65 GB/s on a Zen 4 EPYC, for minutes at a time), and one probe after the passes (stop 46) could
     # meet the other state than they did
     bandwidth = statistics.median(b for samples in read_bytes_per_s.values() for b in samples)
-    hardware = costmodel.Hardware("cpu", bandwidth, costmodel.probe_cpu_hardware(dtype).peak_flops)
+    hardware = costmodel.probe_cpu_hardware(dtype, bandwidth)
     runs = []
     for context in contexts:
         best_one = min(statistics.median(times[(variant, context, 1)]) for variant in targets)
