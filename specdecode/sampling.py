@@ -59,12 +59,28 @@ def _nucleus(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return sorted_logits.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, -math.inf)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """Draw one token id from a 1-D distribution by inverting its CDF with one uniform number.
+SAMPLE_BLOCK = 256  # entries of one CDF block: the scan over a block is short, the block sums are vectorised
 
-    `torch.multinomial` draws one exponential per vocabulary entry (0.8-1.0 ms for SmolLM2's 49k tokens on this
-    CPU), which made sampling the largest cost of a batched drafting call; a cumulative sum took 0.06 ms.
-    A zero-probability token is never drawn: its CDF step is empty."""
-    cdf = probs.double().cumsum(-1)
-    u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """Draw one token id from 1-D weights (any positive total) by inverting their CDF with one uniform number.
+
+    `torch.multinomial` draws one exponential per vocabulary entry (0.8-1.0 ms for SmolLM2's 49k tokens on a
+    2-core EPYC), and a float64 cumulative sum over the whole vocabulary is a chain of dependent additions
+    (0.09-0.14 ms there, once per sampled token of every request). Two levels instead: the sums of blocks of
+    `SAMPLE_BLOCK` entries (vectorised), the CDF of those sums to find the block, then the CDF inside that one
+    block: ~0.04 ms. A zero-weight token is never drawn: its CDF step is empty."""
+    n = probs.numel()
+    blocks = -(-n // SAMPLE_BLOCK)
+    padded = probs if n == blocks * SAMPLE_BLOCK else torch.nn.functional.pad(probs, (0, blocks * SAMPLE_BLOCK - n))
+    block_cdf = padded.reshape(blocks, SAMPLE_BLOCK).sum(1, dtype=torch.float64).cumsum(0)
+    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * float(block_cdf[-1])
+    block = int(torch.searchsorted(block_cdf, u, right=True))
+    if block == blocks:  # u rounded up to the total: the last block of nonzero weight
+        block = int(torch.searchsorted(block_cdf, block_cdf[-1]))
+    cdf = padded[block * SAMPLE_BLOCK : (block + 1) * SAMPLE_BLOCK].cumsum(0, dtype=torch.float64)
+    rest = u - (float(block_cdf[block - 1]) if block else 0.0)
+    index = int(torch.searchsorted(cdf, rest, right=True))
+    if index == SAMPLE_BLOCK:  # `rest` reached the block's own total, which rounds apart from its vectorised sum
+        index = int(torch.searchsorted(cdf, cdf[-1]))  # the block's last token of nonzero weight
+    return block * SAMPLE_BLOCK + index

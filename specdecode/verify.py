@@ -112,5 +112,5 @@ def verify_chain(
             residual = (p - draft_probs[i]).clamp_min(0)
         if float(residual.sum()) <= 0:  # only reachable through rounding when p == q
             residual = p
-        return ChainResult(tokens=drafts[:i] + [sample(residual / residual.sum(), generator)], num_accepted=i)
+        return ChainResult(tokens=drafts[:i] + [sample(residual, generator)], num_accepted=i)
     return ChainResult(tokens=drafts + [sample(target_probs[len(drafts)], generator)], num_accepted=len(drafts))

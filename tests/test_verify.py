@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from specdecode.sampling import SamplingParams, probabilities, sample
+from specdecode.sampling import SAMPLE_BLOCK, SamplingParams, probabilities, sample
 from specdecode.verify import ChainResult, verify_chain, verify_greedy
 
 V = 6
@@ -190,3 +190,18 @@ def test_sample_follows_the_distribution_and_never_draws_a_zero():
     counts = Counter(sample(probs, generator) for _ in range(n))
     assert counts[0] == counts[2] == 0
     assert chi_square_pvalue(counts, {i: float(p) for i, p in enumerate(probs)}, n) > 0.001
+
+
+def test_sample_finds_weights_across_blocks_of_its_cdf():
+    """Unnormalised weights over a vocabulary that is not a multiple of the CDF block: mass at a block's
+    edges, in whole empty blocks and in the padded last block; zeros are never drawn."""
+    weights = torch.zeros(3 * SAMPLE_BLOCK + 37)
+    heavy = {0: 2.0, SAMPLE_BLOCK - 1: 1.0, SAMPLE_BLOCK: 0.5, 3 * SAMPLE_BLOCK + 36: 3.0, 3 * SAMPLE_BLOCK: 1.5}
+    for index, weight in heavy.items():
+        weights[index] = weight
+    generator = torch.Generator().manual_seed(3)
+    n = 20000
+    counts = Counter(sample(weights, generator) for _ in range(n))
+    assert set(counts) == set(heavy)
+    total = sum(heavy.values())
+    assert chi_square_pvalue(counts, {i: w / total for i, w in heavy.items()}, n) > 0.001
