@@ -38,14 +38,17 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         # the k best, in descending order: top-p then ranks k tokens, not the vocabulary (sorting 49k logits
-        # per row was most of a batched sampling step); exactly k are kept, ties at the k-th broken by topk
+        # per row was most of a batched sampling step); exactly k are kept, ties at the k-th broken by topk.
+        # A temperature keeps the order, so only the k kept logits are divided by it, and the zeros are
+        # written once (a batched step at 64 rows spent 4.4 ms here on 49k-entry rows, ~8% of the step)
         kept, order = torch.topk(logits, params.top_k, dim=-1)
+        kept = kept / params.temperature
         if params.top_p < 1:
             kept = _nucleus(kept, params.top_p)
-        return torch.zeros_like(logits).scatter(-1, order, kept.softmax(-1))
+        return torch.zeros_like(logits).scatter_(-1, order, kept.softmax(-1))
+    logits = logits / params.temperature
     if params.top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         logits = logits.scatter(-1, order, _nucleus(sorted_logits, params.top_p))
