@@ -1,4 +1,5 @@
-"""Lossless acceptance of a chain (Leviathan et al. 2023; Chen et al. 2023) or a tree of draft tokens.
+"""Lossless acceptance of a chain (Leviathan et al. 2023; Chen et al. 2023; block verification, Sun et al.
+2025) or a tree of draft tokens.
 
 Pure functions of tensors: they never know how the drafts were made. The target gives p at the k+1
 positions of one verify pass (p[i] is the distribution of the token after draft i-1); the drafter gives
@@ -73,8 +74,8 @@ def verify_tree(target_probs: torch.Tensor, tree: TreeProposal, generator: torch
     target_probs (N+1, V), rows as in `verify_tree_greedy`. Why it is lossless: every emitted token is a
     draw from p given exactly the tokens before it, as in normal sampling; the pass only computed p for
     several possible prefixes ahead of time, and the tree decides how many of those draws one pass can
-    serve, never their values. For a chain this is the one-hot-q case of `verify_chain` (keep x with
-    probability p(x), else draw from p without x) with the randomness spent differently; across siblings
+    serve, never their values. For a single draft this is the one-hot-q case of `verify_block` (keep x
+    with probability p(x), else draw from p without x) with the randomness spent differently; across siblings
     it accepts with probability sum of p over the children, as EAGLE's recursive rejection with q = 1 does.
     """
     return _tree_result(
@@ -87,30 +88,65 @@ def _tree_result(tree: TreeProposal, path: list[int], target_token: int) -> Tree
     return TreeResult(tokens=[tokens[i] for i in path] + [target_token], num_accepted=len(path), path=path)
 
 
-def verify_chain(
+def block_acceptance(
+    target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None
+) -> tuple[list[float], list[float]]:
+    """Block verification's weights w_0..w_k and the law of how many drafts it keeps, P(tau = 0..k).
+
+    Sun et al. 2025 ("Block verification accelerates speculative decoding") judge the k drafts jointly:
+    w_0 = 1, w_i = min(1, w_{i-1} p_i(x_i) / q_i(x_i)); with r_i = sum_x max(0, w_i p_{i+1}(x) - q_{i+1}(x)),
+    the block up to draft i is kept with h_i = r_i / (r_i + 1 - w_i) (h_k = w_k), and tau is the longest kept
+    block (each h_i an independent coin). Token-by-token verification keeps draft i only when every earlier
+    one was kept; here a later draft that the target likes more than the drafter did can rescue an earlier
+    ratio below one. The expected number kept is never lower, and for k = 1 the two rules are the same.
+    q one-hot (draft_probs None) is the deterministic-draft case: r_i = w_i (1 - p_{i+1}(x_{i+1}))."""
+    drafts = draft_tokens.tolist()
+    k = len(drafts)
+    weights = [1.0]
+    for i, x in enumerate(drafts):
+        q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
+        weights.append(min(1.0, weights[-1] * float(target_probs[i, x]) / q_x) if q_x > 0 else 0.0)
+    if k > 1 and draft_probs is not None:
+        w = torch.tensor(weights[1:k], dtype=target_probs.dtype)[:, None]
+        masses = (w * target_probs[1:k] - draft_probs[1:k]).clamp_min(0).sum(-1).tolist()
+    else:
+        masses = [weights[i] * (1 - float(target_probs[i, drafts[i]])) for i in range(1, k)]
+    keep = [1.0]  # h_0: the empty block is always kept
+    for i in range(1, k):
+        free = masses[i - 1] + 1 - weights[i]
+        keep.append(masses[i - 1] / free if free > 0 else 1.0)  # free = 0 only where tau = i cannot happen
+    if k:
+        keep.append(weights[k])
+    stops, later_fail = [0.0] * (k + 1), 1.0
+    for t in range(k, -1, -1):
+        stops[t] = keep[t] * later_fail
+        later_fail *= 1 - keep[t]
+    return weights, stops
+
+
+def verify_block(
     target_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     generator: torch.Generator | None = None,
 ) -> ChainResult:
-    """Speculative sampling: the committed tokens are distributed exactly as sampling from p.
+    """Speculative sampling of a chain with block verification: the committed tokens are distributed exactly
+    as sampling from p (tests/test_verify.py checks it by enumeration and by sampling).
 
-    target_probs (k+1, V); draft_tokens (k,); draft_probs (k, V) or None for one-hot q.
-    """
+    target_probs (k+1, V); draft_tokens (k,); draft_probs (k, V), the q each draft was drawn from, or None
+    for deterministic drafts. After keeping tau drafts the next token is drawn from p_{k+1} when the whole
+    block is kept, else from max(0, w_tau p_{tau+1} - q_{tau+1}) (for tau = 0: the classic residual)."""
     drafts = draft_tokens.tolist()
-    for i, x in enumerate(drafts):
-        p = target_probs[i]
-        q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        u = float(torch.rand((), generator=generator))
-        if u * q_x < float(p[x]):  # u < min(1, p(x)/q(x)): keep the draft token
-            continue
-        # rejected: sample from norm(max(0, p - q)); for one-hot q that is p with x removed
-        if draft_probs is None:
-            residual = p.clone()
-            residual[x] = 0
-        else:
-            residual = (p - draft_probs[i]).clamp_min(0)
-        if float(residual.sum()) <= 0:  # only reachable through rounding when p == q
-            residual = p
-        return ChainResult(tokens=drafts[:i] + [sample(residual, generator)], num_accepted=i)
-    return ChainResult(tokens=drafts + [sample(target_probs[len(drafts)], generator)], num_accepted=len(drafts))
+    weights, stops = block_acceptance(target_probs, draft_tokens, draft_probs)
+    tau = sample(torch.tensor(stops, dtype=torch.float64), generator)
+    if tau == len(drafts):
+        return ChainResult(tokens=drafts + [sample(target_probs[tau], generator)], num_accepted=tau)
+    p = target_probs[tau]
+    if draft_probs is None:
+        residual = weights[tau] * p
+        residual[drafts[tau]] = 0  # w p(x) - 1 <= 0 at the one-hot draft
+    else:
+        residual = (weights[tau] * p - draft_probs[tau]).clamp_min(0)
+    if float(residual.sum()) <= 0:  # only reachable through rounding when w p == q
+        residual = p
+    return ChainResult(tokens=drafts[:tau] + [sample(residual, generator)], num_accepted=tau)

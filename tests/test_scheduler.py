@@ -9,7 +9,7 @@ from specdecode import machine
 from specdecode.engine.scheduler import prefix_survival, schedule, schedule_prefix, schedule_threshold
 from specdecode.engine.sps import StepCostTable, load_or_profile, profile_steps
 from specdecode.errors import SpecDecodeError
-from specdecode.verify import verify_chain
+from specdecode.verify import verify_block
 
 
 def table(values: dict[int, float]):
@@ -53,7 +53,7 @@ def appendix_a_first_token_distribution(early_stop: bool, trials: int = 40_000) 
         (length,) = schedule_prefix([prefix_survival(confidences)], sps, early_stop=early_stop)
         drafts = torch.tensor([x1, 0])[:length]
         target_probs = torch.stack([p, p, p])[: length + 1]
-        result = verify_chain(target_probs, drafts, torch.stack([q, q])[:length], generator)
+        result = verify_block(target_probs, drafts, torch.stack([q, q])[:length], generator)
         counts[result.tokens[0]] += 1
     return counts / trials
 

@@ -5,6 +5,8 @@ row of P, the drafter's a row of Q. Three tokens have 6^3 outcomes whose exact p
 so a chi-square test with fixed seeds checks speculative sampling against them.
 """
 
+import itertools
+import math
 from collections import Counter
 
 import pytest
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from specdecode.sampling import SAMPLE_BLOCK, SamplingParams, probabilities, sample
-from specdecode.verify import ChainResult, verify_chain, verify_greedy
+from specdecode.verify import ChainResult, block_acceptance, verify_block, verify_greedy
 
 V = 6
 
@@ -48,7 +50,7 @@ def exact_three_tokens(p: torch.Tensor) -> dict:
     return {(a, b, c): float(p[0, a] * p[a, b] * p[b, c]) for a in range(V) for b in range(V) for c in range(V)}
 
 
-def speculative_markov(p, q, n, draft_length, sampled_drafts, seed, verifier=verify_chain) -> Counter:
+def speculative_markov(p, q, n, draft_length, sampled_drafts, seed, verifier=verify_block) -> Counter:
     """Generate 3 tokens n times with chain drafts from q and verification against p."""
     g = torch.Generator().manual_seed(seed)
     counts = Counter()
@@ -88,6 +90,44 @@ def test_chain_output_follows_target_distribution(params, sampled_drafts):
     assert chi_square_pvalue(counts, exact_three_tokens(p), n) > 1e-3
 
 
+@pytest.mark.parametrize("sharpness", [0.5, 1.5, 4.0])
+def test_block_verification_is_exact_and_keeps_at_least_token_verification(sharpness):
+    """By enumeration, no sampling: over every chain of 3 drafts from q (3 tokens, context-dependent p and q),
+    block verification's law of (kept drafts, next token), continued by p, is p's law of 4 tokens; and it
+    keeps at least as many drafts on average as token-by-token verification (min(1, p/q) while kept)."""
+    g = torch.Generator().manual_seed(int(sharpness * 10))
+    vocab, k = 3, 3
+    p_table, q_table = (
+        {c: (torch.randn(vocab, generator=g, dtype=torch.float64) * sharpness).softmax(-1) for c in _contexts(vocab, k)}
+        for _ in range(2)
+    )
+    law = {s: 0.0 for s in itertools.product(range(vocab), repeat=k + 1)}
+    kept_block = kept_token = 0.0
+    for drafts in itertools.product(range(vocab), repeat=k):
+        chance = math.prod(float(q_table[drafts[:i]][x]) for i, x in enumerate(drafts))
+        target = torch.stack([p_table[drafts[:i]] for i in range(k + 1)])
+        draft = torch.stack([q_table[drafts[:i]] for i in range(k)])
+        weights, stops = block_acceptance(target, torch.tensor(drafts), draft)
+        kept_block += chance * sum(t * stop for t, stop in enumerate(stops))
+        ratios = [min(1.0, float(target[j, x] / draft[j, x])) for j, x in enumerate(drafts)]
+        kept_token += chance * sum(math.prod(ratios[: i + 1]) for i in range(k))
+        for t, stop in enumerate(stops):
+            nxt = target[t] if t == k else (weights[t] * target[t] - draft[t]).clamp_min(0)
+            nxt = nxt / nxt.sum() if stop > 0 else nxt
+            for s in law:
+                if s[:t] == drafts[:t]:
+                    rest = math.prod(float(p_table[s[:j]][s[j]]) for j in range(t + 1, k + 1))
+                    law[s] += chance * stop * float(nxt[s[t]]) * rest
+    for s, prob in law.items():
+        assert prob == pytest.approx(math.prod(float(p_table[s[:j]][s[j]]) for j in range(k + 1)), abs=1e-12)
+    assert kept_block >= kept_token - 1e-12
+    assert kept_block > kept_token + 1e-3  # strictly more on these chains
+
+
+def _contexts(vocab: int, k: int) -> list[tuple[int, ...]]:
+    return [c for n in range(k + 1) for c in itertools.product(range(vocab), repeat=n)]
+
+
 def test_the_distribution_test_can_fail():
     """Negative control: a verifier that always keeps the drafts yields q's distribution, and is caught."""
 
@@ -125,7 +165,7 @@ def test_rejected_token_is_never_resampled_for_deterministic_drafts():
     g = torch.Generator().manual_seed(0)
     outcomes = Counter()
     for _ in range(2000):
-        result = verify_chain(p, torch.tensor([1]), None, g)
+        result = verify_block(p, torch.tensor([1]), None, g)
         outcomes[tuple(result.tokens[:1]) if result.num_accepted == 0 else ("kept",)] += 1
     assert set(outcomes) == {("kept",), (0,)}
     assert abs(outcomes[("kept",)] / 2000 - 0.5) < 0.05
@@ -150,7 +190,7 @@ def test_chain_invariants(p_rows, q_rows, drafts, seed):
     q = q / q.sum(-1, keepdim=True)
     tokens = torch.tensor(drafts[:k], dtype=torch.long)
     for draft_probs in (q, None):
-        result = verify_chain(p, tokens, draft_probs, torch.Generator().manual_seed(seed))
+        result = verify_block(p, tokens, draft_probs, torch.Generator().manual_seed(seed))
         assert 0 <= result.num_accepted <= k
         assert len(result.tokens) == result.num_accepted + 1
         assert result.tokens[: result.num_accepted] == tokens[: result.num_accepted].tolist()
@@ -171,7 +211,7 @@ def test_sampling_rule_reduces_to_greedy_rule(logits, drafts, seed):
     p = probabilities(logits[: k + 1], SamplingParams())
     q = torch.full((k, V), 1.0 / V)
     g = torch.Generator().manual_seed(seed)
-    assert verify_chain(p, tokens, q, g) == verify_greedy(logits[: k + 1].argmax(-1), tokens)
+    assert verify_block(p, tokens, q, g) == verify_greedy(logits[: k + 1].argmax(-1), tokens)
 
 
 def test_sampling_params_shape_p():

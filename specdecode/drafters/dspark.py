@@ -15,7 +15,7 @@ the same N tokens, as vLLM's DSpark drafter has it.
 
 Sequential stage (DSpark only): a Markov head adds a low-rank bias from the previous draft token,
 B(x_{k-1}) = W2(W1[x_{k-1}]), and sampling runs left to right; the corrected distribution is the q that
-verification uses, so min(1, p/q) stays exact. A confidence head c_k = sigmoid(w . [h_k ; W1[x_{k-1}]])
+verification uses, so acceptance stays exact. A confidence head c_k = sigmoid(w . [h_k ; W1[x_{k-1}]])
 estimates P(token k survives | its prefix survived) for the scheduler.
 
 Mask token: SmolLM2 uses every row of its embedding, so there is no spare id to borrow; the mask input is

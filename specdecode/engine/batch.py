@@ -28,7 +28,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.llama import Output, Rows
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams, probabilities
-from specdecode.verify import ChainResult, verify_chain, verify_greedy
+from specdecode.verify import ChainResult, verify_block, verify_greedy
 
 
 class BatchedTarget:
@@ -125,7 +125,7 @@ class RowResult:
 
 def verify_batch(batched: BatchedTarget, rows: list[VerifyRow]) -> list[RowResult]:
     """One target pass over every row's [last token, drafts]; each row accepts with verify_greedy or
-    verify_chain on its own logits and rolls its own slot back to its committed tokens but the last."""
+    verify_block on its own logits and rolls its own slot back to its committed tokens but the last."""
     starts = [batched.length(row.slot) for row in rows]
     inputs = [torch.cat([torch.tensor([row.last_token]), row.proposal.tokens]) for row in rows]
     out = batched.forward([row.slot for row in rows], inputs)
@@ -140,7 +140,7 @@ def verify_batch(batched: BatchedTarget, rows: list[VerifyRow]) -> list[RowResul
         if row.params.greedy:
             result = verify_greedy(argmax[r, :n], row.proposal.tokens)
         else:
-            result = verify_chain(target_probs[r][:n], row.proposal.tokens, row.proposal.probs, row.generator)
+            result = verify_block(target_probs[r][:n], row.proposal.tokens, row.proposal.probs, row.generator)
         kept = result.num_accepted + 1
         batched.rollback(row.slot, start + kept)
         layer_hidden = None if out.layer_hidden is None else out.layer_hidden[r, :kept]

@@ -21,7 +21,7 @@ from specdecode.engine.stats import DecodeStats
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams, probabilities
-from specdecode.verify import ChainResult, verify_chain, verify_greedy, verify_tree, verify_tree_greedy
+from specdecode.verify import ChainResult, verify_block, verify_greedy, verify_tree, verify_tree_greedy
 
 
 @dataclass
@@ -194,7 +194,7 @@ class SpeculativeDecoder:
         elif tree:
             result = verify_tree(probabilities(out.logits, params).cpu(), proposal, generator)
         else:
-            result = verify_chain(probabilities(out.logits, params).cpu(), proposal.tokens, proposal.probs, generator)
+            result = verify_block(probabilities(out.logits, params).cpu(), proposal.tokens, proposal.probs, generator)
         path = result.path if tree else range(result.num_accepted)
         rows = [0] + [node + 1 for node in path]
         target.keep_path(start, rows)
