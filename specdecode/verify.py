@@ -17,6 +17,8 @@ import torch
 from specdecode.drafters.base import TreeProposal
 from specdecode.sampling import sample
 
+SAMPLED_CHAIN_RULE = "block verification"  # what decides kept drafts at T > 0 (recorded rounds depend on it)
+
 
 @dataclass
 class ChainResult:

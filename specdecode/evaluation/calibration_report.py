@@ -34,6 +34,7 @@ from specdecode.training.calibration import (
 )
 from specdecode.training.prompts import DEFAULT_MIX, build_prompt_mix
 from specdecode.training.regenerate import read_records
+from specdecode.verify import SAMPLED_CHAIN_RULE
 
 
 def mix_pool(seen_ids: set[str], count: int, seed: int) -> list:
@@ -76,7 +77,7 @@ def record_rounds(
     drafter.config.clear_calibration()  # record raw confidences
     gamma = drafter.config.draft_length
     digest = hashlib.sha256(Path(drafter_path, "model.safetensors").read_bytes())
-    digest.update(f"{params} {max_new_tokens}".encode())
+    digest.update(f"{params} {max_new_tokens} {SAMPLED_CHAIN_RULE}".encode())
     log = cache_dir("calibration") / f"rounds-{digest.hexdigest()[:12]}.jsonl"
     cached = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     done = {row["prompt"]: row for row in cached if "prompt" in row}  # lines written before prompt keys: redone
@@ -92,7 +93,7 @@ def record_rounds(
                 decoder.generate(ids, params, max_new_tokens, seed=i)
             done[keys[i]] = {
                 "prompt": keys[i],
-                "logits": [r.tolist() for r in recorder.logits[start:]],
+                "logits": recorder.logits[start:],
                 "accepted": recorder.accepted[start:],
             }
             f.write(json.dumps(done[keys[i]]) + "\n")
