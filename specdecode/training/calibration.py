@@ -52,7 +52,7 @@ class RoundRecorder(Drafter):
         self.inner, self.gamma = inner, gamma
         self.name, self.target_layer_ids = inner.name, inner.target_layer_ids
         # plain floats, not a small tensor per round: thousands of long-lived small allocations between a
-        # pass's large transient ones fragmented the heap (the 421st of 600 prompts: 23 GB resident, the machine swapping)
+        # pass's large transient ones fragmented the heap (at the 421st of 600 prompts: 23 GB resident)
         self.logits: list[list[float]] = []
         self.accepted: list[int] = []
         self._pending: list[float] | None = None
