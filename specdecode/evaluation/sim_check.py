@@ -11,6 +11,8 @@ that was decoded with a block at every position, and reports three accepted leng
 decoding visits positions (expected rounds by dynamic programming over each position's survival
 probabilities: at T = 0 exactly the greedy walk); simulated uniformly (what training logs). Decoded and
 visited agree when training and decoding compute the same drafts; uniform / visited is the metric's bias.
+At T = 1 the simulation's survival is token-by-token verification's; decoding keeps sampled chains by block
+verification (`verify.py`), which keeps at least as many drafts, so decoded may run a few percent above it.
 """
 
 from dataclasses import dataclass
