@@ -90,29 +90,38 @@ def test_chain_output_follows_target_distribution(params, sampled_drafts):
     assert chi_square_pvalue(counts, exact_three_tokens(p), n) > 1e-3
 
 
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled-q", "deterministic-q"])
 @pytest.mark.parametrize("sharpness", [0.5, 1.5, 4.0])
-def test_block_verification_is_exact_and_keeps_at_least_token_verification(sharpness):
-    """By enumeration, no sampling: over every chain of 3 drafts from q (3 tokens, context-dependent p and q),
-    block verification's law of (kept drafts, next token), continued by p, is p's law of 4 tokens; and it
-    keeps at least as many drafts on average as token-by-token verification (min(1, p/q) while kept)."""
+def test_block_verification_is_exact_and_keeps_at_least_token_verification(sharpness, sampled):
+    """By enumeration, no sampling: over every chain of 3 drafts from q (3 tokens, context-dependent p and q;
+    deterministic: the one chain of q's argmax, q one-hot), block verification's law of (kept drafts, next
+    token), continued by p, is p's law of 4 tokens; and it keeps at least as many drafts on average as
+    token-by-token verification (min(1, p/q) while kept)."""
     g = torch.Generator().manual_seed(int(sharpness * 10))
     vocab, k = 3, 3
     p_table, q_table = (
         {c: (torch.randn(vocab, generator=g, dtype=torch.float64) * sharpness).softmax(-1) for c in _contexts(vocab, k)}
         for _ in range(2)
     )
+    greedy = ()
+    for _ in range(k):
+        greedy += (int(q_table[greedy].argmax()),)
     law = {s: 0.0 for s in itertools.product(range(vocab), repeat=k + 1)}
     kept_block = kept_token = 0.0
-    for drafts in itertools.product(range(vocab), repeat=k):
-        chance = math.prod(float(q_table[drafts[:i]][x]) for i, x in enumerate(drafts))
+    for drafts in itertools.product(range(vocab), repeat=k) if sampled else [greedy]:
+        chance = math.prod(float(q_table[drafts[:i]][x]) for i, x in enumerate(drafts)) if sampled else 1.0
         target = torch.stack([p_table[drafts[:i]] for i in range(k + 1)])
-        draft = torch.stack([q_table[drafts[:i]] for i in range(k)])
+        draft = torch.stack([q_table[drafts[:i]] for i in range(k)]) if sampled else None
         weights, stops = block_acceptance(target, torch.tensor(drafts), draft)
         kept_block += chance * sum(t * stop for t, stop in enumerate(stops))
-        ratios = [min(1.0, float(target[j, x] / draft[j, x])) for j, x in enumerate(drafts)]
+        ratios = [min(1.0, float(target[j, x] / (draft[j, x] if sampled else 1.0))) for j, x in enumerate(drafts)]
         kept_token += chance * sum(math.prod(ratios[: i + 1]) for i in range(k))
         for t, stop in enumerate(stops):
-            nxt = target[t] if t == k else (weights[t] * target[t] - draft[t]).clamp_min(0)
+            if t == k:
+                nxt = target[t]
+            else:
+                q_next = draft[t] if sampled else torch.nn.functional.one_hot(torch.tensor(drafts[t]), vocab)
+                nxt = (weights[t] * target[t] - q_next).clamp_min(0)
             nxt = nxt / nxt.sum() if stop > 0 else nxt
             for s in law:
                 if s[:t] == drafts[:t]:
@@ -121,7 +130,8 @@ def test_block_verification_is_exact_and_keeps_at_least_token_verification(sharp
     for s, prob in law.items():
         assert prob == pytest.approx(math.prod(float(p_table[s[:j]][s[j]]) for j in range(k + 1)), abs=1e-12)
     assert kept_block >= kept_token - 1e-12
-    assert kept_block > kept_token + 1e-3  # strictly more on these chains
+    if sampled:
+        assert kept_block > kept_token + 1e-3  # strictly more on these chains
 
 
 def _contexts(vocab: int, k: int) -> list[tuple[int, ...]]:
