@@ -139,6 +139,8 @@ def verify_block(
     for deterministic drafts. After keeping tau drafts the next token is drawn from p_{k+1} when the whole
     block is kept, else from max(0, w_tau p_{tau+1} - q_{tau+1}) (for tau = 0: the classic residual)."""
     drafts = draft_tokens.tolist()
+    if not drafts:  # normal sampling (and every row of a batch that drafted nothing): no draw of tau to pay for
+        return ChainResult(tokens=[sample(target_probs[0], generator)], num_accepted=0)
     weights, stops = block_acceptance(target_probs, draft_tokens, draft_probs)
     tau = sample(torch.tensor(stops, dtype=torch.float64), generator)
     if tau == len(drafts):
