@@ -91,7 +91,10 @@ def _tree_result(tree: TreeProposal, path: list[int], target_token: int) -> Tree
 
 
 def block_acceptance(
-    target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    support: torch.Tensor | None = None,
 ) -> tuple[list[float], list[float]]:
     """Block verification's weights w_0..w_k and the law of how many drafts it keeps, P(tau = 0..k).
 
@@ -101,18 +104,24 @@ def block_acceptance(
     block (each h_i an independent coin). Token-by-token verification keeps draft i only when every earlier
     one was kept; here a later draft that the target likes more than the drafter did can rescue an earlier
     ratio below one. The expected number kept is never lower, and for k = 1 the two rules are the same.
-    q one-hot (draft_probs None) is the deterministic-draft case: r_i = w_i (1 - p_{i+1}(x_{i+1}))."""
-    drafts = draft_tokens.tolist()
-    k = len(drafts)
+    q one-hot (draft_probs None) is the deterministic-draft case: r_i = w_i (1 - p_{i+1}(x_{i+1})).
+    `support`: see `verify_block`."""
+    k = draft_tokens.numel()
+    rows = torch.arange(k)
+    p_x = target_probs[rows, draft_tokens].tolist()
+    q_x = [1.0] * k if draft_probs is None else draft_probs[rows, _columns(draft_tokens, support)].tolist()
     weights = [1.0]
-    for i, x in enumerate(drafts):
-        q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        weights.append(min(1.0, weights[-1] * float(target_probs[i, x]) / q_x) if q_x > 0 else 0.0)
+    for p, q in zip(p_x, q_x, strict=True):
+        weights.append(min(1.0, weights[-1] * p / q) if q > 0 else 0.0)
     if k > 1 and draft_probs is not None:
         w = torch.tensor(weights[1:k], dtype=target_probs.dtype)[:, None]
-        masses = (w * target_probs[1:k] - draft_probs[1:k]).clamp_min(0).sum(-1).tolist()
+        on_support = _on_support(target_probs[1:k], support)
+        masses = (w * on_support - draft_probs[1:k]).clamp_min(0).sum(-1)
+        if support is not None:  # off q's support max(0, w p - 0) = w p: w times the mass p puts there
+            masses += w[:, 0] * (1 - on_support.sum(-1)).clamp_min(0)
+        masses = masses.tolist()
     else:
-        masses = [weights[i] * (1 - float(target_probs[i, drafts[i]])) for i in range(1, k)]
+        masses = [weights[i] * (1 - p_x[i]) for i in range(1, k)]
     keep = [1.0]  # h_0: the empty block is always kept
     for i in range(1, k):
         free = masses[i - 1] + 1 - weights[i]
@@ -131,26 +140,41 @@ def verify_block(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     generator: torch.Generator | None = None,
+    support: torch.Tensor | None = None,
 ) -> ChainResult:
     """Speculative sampling of a chain with block verification: the committed tokens are distributed exactly
     as sampling from p (tests/test_verify.py checks it by enumeration and by sampling).
 
     target_probs (k+1, V); draft_tokens (k,); draft_probs (k, V), the q each draft was drawn from, or None
     for deterministic drafts. After keeping tau drafts the next token is drawn from p_{k+1} when the whole
-    block is kept, else from max(0, w_tau p_{tau+1} - q_{tau+1}) (for tau = 0: the classic residual)."""
+    block is kept, else from max(0, w_tau p_{tau+1} - q_{tau+1}) (for tau = 0: the classic residual).
+    `support` (N,): the increasing target ids that the N columns of a draft vocabulary's q (k, N) stand for
+    (q is zero elsewhere), so q is never spread over the target's vocabulary (7 x 49,152 zeros a round)."""
     drafts = draft_tokens.tolist()
     if not drafts:  # normal sampling (and every row of a batch that drafted nothing): no draw of tau to pay for
         return ChainResult(tokens=[sample(target_probs[0], generator)], num_accepted=0)
-    weights, stops = block_acceptance(target_probs, draft_tokens, draft_probs)
+    weights, stops = block_acceptance(target_probs, draft_tokens, draft_probs, support)
     tau = sample(torch.tensor(stops, dtype=torch.float64), generator)
     if tau == len(drafts):
         return ChainResult(tokens=drafts + [sample(target_probs[tau], generator)], num_accepted=tau)
     p = target_probs[tau]
+    residual = weights[tau] * p  # minus min(w p, q): max(0, w p - q), bit for bit
     if draft_probs is None:
-        residual = weights[tau] * p
         residual[drafts[tau]] = 0  # w p(x) - 1 <= 0 at the one-hot draft
+    elif support is None:
+        residual -= torch.minimum(residual, draft_probs[tau])
     else:
-        residual = (weights[tau] * p - draft_probs[tau]).clamp_min(0)
+        residual.index_add_(0, support, torch.minimum(residual.index_select(0, support), draft_probs[tau]), alpha=-1)
     if float(residual.sum()) <= 0:  # only reachable through rounding when w p == q
         residual = p
     return ChainResult(tokens=drafts[:tau] + [sample(residual, generator)], num_accepted=tau)
+
+
+def _on_support(probs: torch.Tensor, support: torch.Tensor | None) -> torch.Tensor:
+    """The columns of p (..., V) that q's columns stand for."""
+    return probs if support is None else probs.index_select(-1, support)
+
+
+def _columns(draft_tokens: torch.Tensor, support: torch.Tensor | None) -> torch.Tensor:
+    """The column of q that holds each draft: its target id, or its place in `support`."""
+    return draft_tokens if support is None else torch.searchsorted(support, draft_tokens)

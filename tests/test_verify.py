@@ -50,8 +50,11 @@ def exact_three_tokens(p: torch.Tensor) -> dict:
     return {(a, b, c): float(p[0, a] * p[a, b] * p[b, c]) for a in range(V) for b in range(V) for c in range(V)}
 
 
-def speculative_markov(p, q, n, draft_length, sampled_drafts, seed, verifier=verify_block) -> Counter:
-    """Generate 3 tokens n times with chain drafts from q and verification against p."""
+def speculative_markov(
+    p, q, n, draft_length, sampled_drafts, seed, verifier=verify_block, support: torch.Tensor | None = None
+) -> Counter:
+    """Generate 3 tokens n times with chain drafts from q and verification against p. With `support`, q's
+    rows are over those token ids only (a draft vocabulary) and are handed to the verifier that way."""
     g = torch.Generator().manual_seed(seed)
     counts = Counter()
     for _ in range(n):
@@ -59,12 +62,15 @@ def speculative_markov(p, q, n, draft_length, sampled_drafts, seed, verifier=ver
         while len(seq) < 4:
             drafts, dists, prev = [], [], seq[-1]
             for _ in range(draft_length):
-                dist = q[prev]
-                prev = sample(dist, g) if sampled_drafts else int(dist.argmax())
+                dist = q[prev] if support is None else q[prev, support]
+                column = sample(dist, g) if sampled_drafts else int(dist.argmax())
+                prev = column if support is None else int(support[column])
                 drafts.append(prev)
                 dists.append(dist)
             context = torch.tensor([seq[-1], *drafts])
-            result = verifier(p[context], torch.tensor(drafts), torch.stack(dists) if sampled_drafts else None, g)
+            q_rows = torch.stack(dists) if sampled_drafts else None
+            extra = {} if support is None else {"support": support}
+            result = verifier(p[context], torch.tensor(drafts), q_rows, g, **extra)
             seq += result.tokens
         counts[tuple(seq[1:4])] += 1
     return counts
@@ -88,6 +94,44 @@ def test_chain_output_follows_target_distribution(params, sampled_drafts):
     n = 6000
     counts = speculative_markov(p, q, n, draft_length=3, sampled_drafts=sampled_drafts, seed=7)
     assert chi_square_pvalue(counts, exact_three_tokens(p), n) > 1e-3
+
+
+def test_draft_vocabulary_q_follows_target_distribution():
+    """q over 4 of the 6 tokens, handed over as (k, 4) with its support (the target's other tokens are never
+    drafted but must still come out at p's rate, through the residual): speculative sampling matches p."""
+    p_logits, q_logits = markov_chain(seed=1)
+    p = probabilities(p_logits, SETTINGS[0])
+    support = torch.tensor([0, 2, 3, 5])
+    q = torch.full((V, V), float("-inf"))
+    q[:, support] = q_logits[:, support]
+    n = 6000
+    counts = speculative_markov(p, q.softmax(-1), n, draft_length=3, sampled_drafts=True, seed=7, support=support)
+    assert chi_square_pvalue(counts, exact_three_tokens(p), n) > 1e-3
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    p_rows=st.lists(st.lists(st.floats(0.0, 1.0), min_size=V, max_size=V), min_size=5, max_size=5),
+    q_rows=st.lists(st.lists(st.floats(0.01, 1.0), min_size=3, max_size=3), min_size=4, max_size=4),
+    columns=st.lists(st.integers(0, 2), min_size=0, max_size=4),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_draft_vocabulary_q_is_the_spread_q(p_rows, q_rows, columns, seed):
+    """q over a draft vocabulary with its support gives the acceptance law and the tokens that the same q
+    spread over the whole vocabulary (zeros elsewhere) gives."""
+    k = len(columns)
+    p = torch.tensor(p_rows, dtype=torch.float64)[: k + 1] + 1e-3
+    p = p / p.sum(-1, keepdim=True)
+    support = torch.tensor([1, 2, 4])
+    q = torch.tensor(q_rows, dtype=torch.float64)[:k].reshape(k, 3)
+    q = q / q.sum(-1, keepdim=True)
+    spread = torch.zeros(k, V, dtype=torch.float64).index_copy_(1, support, q)
+    tokens = support[torch.tensor(columns, dtype=torch.long)]
+    weights, stops = block_acceptance(p, tokens, q, support)
+    spread_weights, spread_stops = block_acceptance(p, tokens, spread)
+    assert weights + stops == pytest.approx(spread_weights + spread_stops, abs=1e-12)
+    generators = [torch.Generator().manual_seed(seed) for _ in range(2)]
+    assert verify_block(p, tokens, q, generators[0], support) == verify_block(p, tokens, spread, generators[1])
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled-q", "deterministic-q"])

@@ -21,12 +21,14 @@ from specdecode.sampling import SamplingParams
 @dataclass
 class Proposal:
     """k draft tokens (k may be 0), for sampled proposals their distributions q (k, V), and where the
-    drafter estimates them, confidences: P(token j survives | tokens before it survived)."""
+    drafter estimates them, confidences: P(token j survives | tokens before it survived). A drafter with a
+    reduced vocabulary gives q over it, (k, N), and `support`: the N increasing target ids its columns stand for."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     confidences: torch.Tensor | None = None
     source: str | None = None  # which proposer of a hybrid made it (kept in the round statistics)
+    support: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -42,6 +44,7 @@ class Proposal:
             None if probs is None else probs[:length],
             None if confidences is None else confidences[:length],
             self.source,
+            self.support,
         )
 
 

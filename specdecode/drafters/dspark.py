@@ -196,12 +196,6 @@ class DSparkModel(nn.Module):
         """Draft ids -> target ids."""
         return draft_tokens if self.config.draft_vocab_size == 0 else draft_tokens + self.d2t[draft_tokens]
 
-    def target_probs(self, q: torch.Tensor) -> torch.Tensor:
-        """A distribution over the draft vocabulary (..., N) as one over the target's (..., V), zero elsewhere."""
-        if self.config.draft_vocab_size == 0:
-            return q
-        return q.new_zeros(*q.shape[:-1], self.config.vocab_size).index_copy_(-1, self.draft_ids, q)
-
     def vocab_maps_agree(self) -> bool:
         return self.config.draft_vocab_size == 0 or maps_agree(self.d2t, self.t2d)
 
@@ -366,11 +360,14 @@ class BlockDrafter(Drafter):
         else:
             _, conf, tokens = model.sequential(h, model.draft_logits(h), anchors, choose=choose)
             sampled = {r: torch.stack(q) for r, q in drawn_from.items() if q}
+        support = model.draft_ids if sampled else None  # q stays over the draft vocabulary (None: the whole)
         for i, r in enumerate(rows):
             d, n = drafters[r], max_tokens[r]
             confidences = None if conf is None else calibrated_confidence(conf[i, :n], *c.calibration(d.params.greedy))
-            probs = model.target_probs(sampled[r][:n]) if d._samples else None
-            proposals[r] = Proposal(tokens=tokens[i, :n], probs=probs, confidences=confidences)
+            probs = sampled[r][:n] if d._samples else None
+            proposals[r] = Proposal(
+                tokens=tokens[i, :n], probs=probs, confidences=confidences, support=None if probs is None else support
+            )
         return proposals
 
     def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:

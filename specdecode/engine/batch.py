@@ -140,7 +140,8 @@ def verify_batch(batched: BatchedTarget, rows: list[VerifyRow]) -> list[RowResul
         if row.params.greedy:
             result = verify_greedy(argmax[r, :n], row.proposal.tokens)
         else:
-            result = verify_block(target_probs[r][:n], row.proposal.tokens, row.proposal.probs, row.generator)
+            proposal = row.proposal
+            result = verify_block(target_probs[r][:n], proposal.tokens, proposal.probs, row.generator, proposal.support)
         kept = result.num_accepted + 1
         batched.rollback(row.slot, start + kept)
         layer_hidden = None if out.layer_hidden is None else out.layer_hidden[r, :kept]

@@ -194,7 +194,9 @@ class SpeculativeDecoder:
         elif tree:
             result = verify_tree(probabilities(out.logits, params).cpu(), proposal, generator)
         else:
-            result = verify_block(probabilities(out.logits, params).cpu(), proposal.tokens, proposal.probs, generator)
+            result = verify_block(
+                probabilities(out.logits, params).cpu(), proposal.tokens, proposal.probs, generator, proposal.support
+            )
         path = result.path if tree else range(result.num_accepted)
         rows = [0] + [node + 1 for node in path]
         target.keep_path(start, rows)
