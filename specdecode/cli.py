@@ -180,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument(
+        "--max-time",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="train for this long: the learning-rate schedule follows the clock and the run ends, saves and "
+        "exports when the time is spent (steps or epochs stay an upper bound); a resumed run counts its earlier time",
+    )
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
     t.add_argument("--grad-accum", type=int, default=1)
@@ -739,6 +747,7 @@ def cmd_train(args) -> None:
         grad_accum=args.grad_accum,
         epochs=args.epochs,
         max_steps=args.max_steps,
+        max_time_s=args.max_time,
         seed=args.seed,
         save_every=args.save_every,
         eval_every=args.eval_every,

@@ -33,7 +33,7 @@ from specdecode.training.features import (
     estimate_cache_bytes,
     write_feature_cache,
 )
-from specdecode.training.trainer import TrainConfig, lr_at, train
+from specdecode.training.trainer import TrainConfig, clock_lr, lr_at, train
 from tests.conftest import tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,6 +180,33 @@ def test_schedule_warms_up_linearly_then_decays_by_cosine():
     assert 0 < lr_at(99, 100, config) < 1e-3  # the last step still learns a little
     floor = TrainConfig(lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
     assert lr_at(55, 100, floor) == pytest.approx(0.55)
+
+
+def test_a_time_budget_schedules_by_the_clock():
+    config = TrainConfig(lr=1.0, warmup_ratio=0.1, max_time_s=200.0)
+    assert [clock_lr(t, config) for t in (0.0, 9.9, 19.9, 20.0)] == pytest.approx([0.01, 0.5, 1.0, 1.0])
+    assert clock_lr(110.0, config) == pytest.approx(0.5)  # half-way through the cosine
+    assert 0 < clock_lr(199.9, config) == clock_lr(500.0, config) < 1e-4  # past the budget: the last slice's
+    with pytest.raises(SpecDecodeError, match="must be positive"):
+        TrainConfig(max_time_s=0)
+
+
+def test_a_run_on_a_time_budget_ends_when_it_is_spent(tmp_path):
+    """Steps of ~0.1 s, a 0.6 s budget and room for 1,000 steps: the run ends, finished and saved, at the first
+    step that starts after 0.6 s, its learning rate down to the cosine's end; run again, it has nothing to do."""
+    result = run_tiny_training(tmp_path, grad_accum=1, step_delay_s=0.1, max_steps=1000, max_time_s=0.6)
+    logged = (tmp_path / "metrics.jsonl").read_text()
+    steps = [r for r in map(json.loads, logged.splitlines()) if not r.get("eval")]
+    assert not result["interrupted"] and 1 < result["step"] <= 7 and result["step"] == steps[-1]["step"]
+    assert all(r["elapsed"] < 0.6 for r in steps[:-2])  # so the second to last step started within the budget
+    assert steps[-1]["lr"] < 1e-4 * 3e-2  # and the last past it: the cosine's end
+    lrs = [r["lr"] for r in steps]
+    peak = lrs.index(max(lrs))  # up through the warm-up (the first quarter of the time), then down
+    assert lrs[: peak + 1] == sorted(lrs[: peak + 1]) and lrs[peak:] == sorted(lrs[peak:], reverse=True)
+    assert latest_step(tmp_path) == result["step"] and result["eval"]["step"] == result["step"]
+    again = run_tiny_training(tmp_path, grad_accum=1, step_delay_s=0.1, max_steps=1000, max_time_s=0.6)
+    assert again["step"] == result["step"] and not again["interrupted"]
+    assert (tmp_path / "metrics.jsonl").read_text() == logged  # no step ran again
 
 
 def test_checkpoint_holds_trainable_fp32_weights_and_keeps_the_last_two(tmp_path):

@@ -70,6 +70,7 @@ class TrainConfig:
     grad_accum: int = 1
     epochs: int = 1
     max_steps: int | None = None  # overrides epochs
+    max_time_s: float | None = None  # the schedule follows the clock and the run ends when this time is spent
     seed: int = 42
     save_every: int = 50  # steps
     eval_every: int = 50
@@ -81,6 +82,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.precision not in ("float32", "bfloat16"):
             raise SpecDecodeError(f"unknown training precision '{self.precision}'; use float32 or bfloat16")
+        if self.max_time_s is not None and not self.max_time_s > 0:
+            raise SpecDecodeError(f"the time budget must be positive, got {self.max_time_s} s")
+
+
+CLOCK_SLICES = 1000  # a run on a time budget: the thousandths of it spent stand in for steps done
 
 
 def lr_at(step: int, total_steps: int, config: TrainConfig) -> float:
@@ -158,6 +164,15 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
+def clock_lr(elapsed_s: float, config: TrainConfig) -> float:
+    """Learning rate of a step that starts `elapsed_s` into a run of `config.max_time_s`: the step schedule
+    over the budget's thousandths. Why the clock: a step's time is not known ahead (on a GPU the first ~500
+    steps ran 3x slower while kernels were chosen for each new shape), and a schedule planned in steps from a
+    short timing ended a 750 s run after 233 s, or would be cut before its learning rate came down."""
+    slice_ = min(CLOCK_SLICES - 1, int(CLOCK_SLICES * elapsed_s / config.max_time_s))
+    return lr_at(slice_, CLOCK_SLICES, config)
+
+
 def train(
     model: nn.Module,
     train_examples: list[Example],
@@ -168,7 +183,9 @@ def train(
 ) -> dict:
     """Train `model` in place, resuming from `out_dir` if it holds a checkpoint; returns the final metrics.
 
-    Under `torchrun` (WORLD_SIZE > 1) every rank calls this with the same arguments.
+    Under `torchrun` (WORLD_SIZE > 1) every rank calls this with the same arguments. With `max_time_s` the
+    learning rate follows rank 0's clock (`clock_lr`; the time of earlier sessions of a resumed run counts)
+    and the step that starts after the budget is spent is the last (the steps or epochs stay an upper bound).
     """
     # ---- processes: one, or one per rank under torchrun
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -225,6 +242,8 @@ def train(
         rng = checkpoint["rng"][rank] if len(checkpoint["rng"]) == world_size else checkpoint["rng"][0]
         _set_rng_state(rng)
         step, elapsed_before = state["step"], state["elapsed"]
+        if config.max_time_s is not None and elapsed_before >= config.max_time_s:
+            total_steps = step  # it spent its time: done
     if master:
         out_dir.mkdir(parents=True, exist_ok=True)
         _truncate_metrics(out_dir / METRICS, step)  # steps after the checkpoint are computed again
@@ -232,7 +251,8 @@ def train(
 
     # ---- the loop
     metrics_file = open(out_dir / METRICS, "a") if master else None
-    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not master, dynamic_ncols=True)
+    desc = "train" if config.max_time_s is None else f"train (on the clock, {config.max_time_s:g} s)"
+    bar = tqdm(total=total_steps, initial=step, desc=desc, unit="step", disable=not master, dynamic_ncols=True)
     start = time.perf_counter()
     record: dict = {"step": step}
     last_eval: dict | None = None
@@ -248,7 +268,7 @@ def train(
                 if epoch != order_epoch:
                     order_epoch, order = epoch, epoch_order(len(train_examples), config.seed, epoch)
                 first = (step % steps_per_epoch) * global_batch
-                lr = lr_at(step, total_steps, config)
+                clock = elapsed_before + step_start - start  # rank 0's decides, through the all-reduce below
 
                 # forward/backward over this rank's micro-batches m = rank, rank + world_size, ...
                 sums = None
@@ -266,13 +286,20 @@ def train(
                     values = torch.stack([out[k].detach().float() for k in keys] + [batch.loss_mask.sum().float()])
                     sums = values if sums is None else sums + values
 
-                # one all-reduce: metric sums, supervised tokens and the stop flag of every rank
-                totals = torch.cat([sums, torch.tensor([float(stop.requested)], device=sums.device)])
+                # one all-reduce: metric sums, supervised tokens, the stop flag of every rank and rank 0's clock
+                flags = [float(stop.requested), clock if master else 0.0]
+                totals = torch.cat([sums, torch.tensor(flags, device=sums.device, dtype=sums.dtype)])
                 if ddp:
                     dist.all_reduce(totals)
                 totals = totals.cpu()
                 means = (totals[: len(keys)] / micro_batches).tolist()
-                stopping = totals[-1].item() > 0
+                stopping, clock = totals[-2].item() > 0, totals[-1].item()
+                if config.max_time_s is None:
+                    lr = lr_at(step, total_steps, config)
+                else:
+                    lr = clock_lr(clock, config)
+                    if clock >= config.max_time_s:
+                        total_steps = step + 1  # the time is spent: this step is the last
 
                 # optimizer step on the fp32 masters: clip, schedule, AdamW, copy back
                 for p, m in zip(params, masters, strict=True):
@@ -298,7 +325,7 @@ def train(
                     "lr": lr,
                     **dict(zip(keys, means, strict=True)),
                     "grad_norm": grad_norm.item(),
-                    "tokens_per_s": totals[-2].item() / seconds,
+                    "tokens_per_s": totals[-3].item() / seconds,
                     "elapsed": elapsed_before + time.perf_counter() - start,
                 }
                 if master:
