@@ -251,8 +251,16 @@ def train(
 
     # ---- the loop
     metrics_file = open(out_dir / METRICS, "a") if master else None
-    desc = "train" if config.max_time_s is None else f"train (on the clock, {config.max_time_s:g} s)"
-    bar = tqdm(total=total_steps, initial=step, desc=desc, unit="step", disable=not master, dynamic_ncols=True)
+    by_clock = config.max_time_s is not None  # the bar then counts seconds of the budget, not steps
+    bar = tqdm(
+        total=config.max_time_s if by_clock else total_steps,
+        initial=min(elapsed_before, config.max_time_s) if by_clock else step,
+        desc="train (on the clock)" if by_clock else "train",
+        unit="s" if by_clock else "step",
+        bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]" if by_clock else None,
+        disable=not master,
+        dynamic_ncols=True,
+    )
     start = time.perf_counter()
     record: dict = {"step": step}
     last_eval: dict | None = None
@@ -332,8 +340,9 @@ def train(
                     if step % config.log_every == 0 or step == total_steps:
                         metrics_file.write(json.dumps(record) + "\n")
                         metrics_file.flush()
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                    bar.update(min(record["elapsed"], config.max_time_s) - bar.n if by_clock else 1)
+                    postfix = {"step": step} if by_clock else {}
+                    bar.set_postfix(**postfix, loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
 
                 # held-out eval
                 if eval_examples and (step % config.eval_every == 0 or step == total_steps):
