@@ -3,15 +3,10 @@
 import pytest
 
 from specdecode.drafters.dspark import BlockDrafter
+from specdecode.drafters.yields import EXPLORE_EVERY, MAX_EXPLORE_EVERY, PRIOR_ROUNDS, WINDOW, DraftYield, Exploration
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
 from specdecode.engine.drafting_gate import (
-    EXPLORE_EVERY,
-    MAX_EXPLORE_EVERY,
-    PRIOR_ROUNDS,
-    WINDOW,
     DraftingGate,
-    DraftYield,
-    Exploration,
     profile_drafting,
 )
 from specdecode.training.recipes import build_block_drafter
@@ -117,7 +112,7 @@ def test_the_gate_prices_a_hybrid_at_its_model(monkeypatch, tmp_path):
     """Timed whole, a hybrid that finds its model too costly times its suffix lookups alone (microseconds);
     the gate must price a drafting step at the model's batched pass, which the hybrid may run in it."""
     from specdecode.drafters.hybrid import HybridDrafter, RoundCosts
-    from specdecode.engine import sps
+    from specdecode.models import sps
 
     target = tiny_target(vocab_size=32, seed=3)
     model = BlockDrafter(build_block_drafter("dspark", target, num_layers=1, block_size=4, target_layer_ids=[0]))
@@ -143,7 +138,7 @@ def test_drafting_is_timed_in_a_later_round_just_after_a_target_pass(monkeypatch
     import time
 
     from specdecode.drafters.base import Drafter
-    from specdecode.engine import sps
+    from specdecode.models import sps
 
     caches = {"cold": True}
 

@@ -7,8 +7,8 @@ import torch
 
 from specdecode import machine
 from specdecode.engine.scheduler import prefix_survival, schedule, schedule_prefix, schedule_threshold
-from specdecode.engine.sps import StepCostTable, load_or_profile, profile_steps
 from specdecode.errors import SpecDecodeError
+from specdecode.models.sps import StepCostTable, load_or_profile, profile_steps
 from specdecode.verify import verify_block
 
 

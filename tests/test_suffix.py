@@ -20,10 +20,10 @@ from specdecode.drafters.suffix import (
     SuffixDrafter,
     SuffixSettings,
 )
+from specdecode.drafters.yields import DraftYield
 from specdecode.engine import decode as decode_module
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
 from specdecode.engine.decode import SpeculativeDecoder
-from specdecode.engine.drafting_gate import DraftYield
 from specdecode.sampling import SamplingParams
 from tests.conftest import tiny_llama, tiny_target
 from tests.test_batch import _normal_greedy, _tiny_dspark

@@ -12,10 +12,9 @@ import argparse
 import statistics
 
 from specdecode.demo import DEMO_PROMPTS
-from specdecode.drafters import Drafter, build_drafter
+from specdecode.drafters import Drafter, build_drafter, yields
 from specdecode.drafters.hybrid import HybridDrafter, RoundCosts, round_costs
 from specdecode.drafters.shipped import shipped_drafter
-from specdecode.engine import drafting_gate
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
@@ -25,13 +24,13 @@ from specdecode.sampling import SamplingParams
 # prior of 9 rounds and a window of 10 weigh every round 0.1, as the 0.9 decay before stop 42 did; then the
 # model round's price: None as measured (`hybrid.round_costs`), "all" a pass over all 8 positions whatever the
 # scheduler verifies, a number that many normal steps
-SHIPPED = (drafting_gate.MAX_EXPLORE_EVERY, drafting_gate.PRIOR_ROUNDS, drafting_gate.WINDOW)
+SHIPPED = (yields.MAX_EXPLORE_EVERY, yields.PRIOR_ROUNDS, yields.WINDOW)
 VARIANTS = {
     "shipped": (*SHIPPED, None),
     "all-positions price": (*SHIPPED, "all"),
     "first-call price": (*SHIPPED, 2.04),
-    "10-round mean": (drafting_gate.MAX_EXPLORE_EVERY, 9, 10, None),
-    "10-round mean, fixed-16 wait": (drafting_gate.EXPLORE_EVERY, 9, 10, None),
+    "10-round mean": (yields.MAX_EXPLORE_EVERY, 9, 10, None),
+    "10-round mean, fixed-16 wait": (yields.EXPLORE_EVERY, 9, 10, None),
 }
 
 
@@ -50,7 +49,7 @@ def main() -> None:
     ratios = {(name, n): [] for name in VARIANTS for n in range(1, len(DEMO_PROMPTS) + 1)}
     for _ in range(args.repeats):
         for name, (*settings, price) in VARIANTS.items():
-            drafting_gate.MAX_EXPLORE_EVERY, drafting_gate.PRIOR_ROUNDS, drafting_gate.WINDOW = settings
+            yields.MAX_EXPLORE_EVERY, yields.PRIOR_ROUNDS, yields.WINDOW = settings
             priced = pricings.get(price) or RoundCosts.flat(costs.light(), price * costs.light())
             hybrid = HybridDrafter(model, costs=priced)
             spec = SpeculativeDecoder(target, hybrid, draft_length=8, scheduler="prefix")
@@ -61,7 +60,7 @@ def main() -> None:
                 if got.token_ids != base.token_ids:
                     raise SystemExit(f"prompt {n}: the speculative output differs from normal decoding")
                 ratios[(name, n)].append(got.stats.tokens_per_s / base.stats.tokens_per_s)
-    drafting_gate.MAX_EXPLORE_EVERY, drafting_gate.PRIOR_ROUNDS, drafting_gate.WINDOW = SHIPPED
+    yields.MAX_EXPLORE_EVERY, yields.PRIOR_ROUNDS, yields.WINDOW = SHIPPED
     runs = [
         {"variant": name, "prompt": n, "speedup_median": round(statistics.median(r), 3), "speedups": r}
         for (name, n), r in ratios.items()

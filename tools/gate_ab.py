@@ -9,8 +9,7 @@ checked against normal decoding.
 import argparse
 import statistics
 
-from specdecode.drafters import Drafter, build_drafter
-from specdecode.engine import drafting_gate
+from specdecode.drafters import Drafter, build_drafter, yields
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.evaluation.benchmarks import load_benchmark
 from specdecode.evaluation.results import write_results
@@ -22,7 +21,7 @@ BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench")
 # 0.8 decay before stop 42 did
 VARIANTS = {
     "chain": ("fixed", False, None),
-    "prefix + gate": ("prefix", True, (drafting_gate.PRIOR_ROUNDS, drafting_gate.WINDOW)),
+    "prefix + gate": ("prefix", True, (yields.PRIOR_ROUNDS, yields.WINDOW)),
     "prefix + gate, short memory": ("prefix", True, (4, 5)),
     "prefix, no gate": ("prefix", False, None),
 }
@@ -55,13 +54,13 @@ def main() -> None:
             ids = target.encode(item.turns[0])
             base = normal.generate(ids, params, args.max_new_tokens)[0]
             for name, (_, _, memory) in VARIANTS.items():
-                drafting_gate.PRIOR_ROUNDS, drafting_gate.WINDOW = memory or shipped
+                yields.PRIOR_ROUNDS, yields.WINDOW = memory or shipped
                 got = decoders[name].generate(ids, params, args.max_new_tokens)[0]
                 if params.greedy and got.token_ids != base.token_ids:
                     raise SystemExit(f"{name} on {benchmark}/{item.id}: the output differs from normal decoding")
                 ratio = got.stats.tokens_per_s / base.stats.tokens_per_s
                 ratios.setdefault((name, temperature, benchmark), []).append(ratio)
-        drafting_gate.PRIOR_ROUNDS, drafting_gate.WINDOW = shipped
+        yields.PRIOR_ROUNDS, yields.WINDOW = shipped
     header = "| T | variant | median speedup | " + " | ".join(BENCHMARKS) + " |"
     runs, lines = [], [header, "|---|---|---:|" + "---:|" * len(BENCHMARKS)]
     for temperature in sorted({t for _, t, _ in ratios}):

@@ -12,8 +12,8 @@ go: a choice that followed the clock would make a seeded sampling run give other
 copy-heavy text the suffix wins and the model's drafting pass is saved; where the model's drafts do not pay
 for their drafting time, rounds go without it (the suffix's proposal, often nothing: normal decoding). The
 model drafts again after `EXPLORE_EVERY` rounds without it, so its estimate stays current, and each such try
-that leaves it not paying doubles that wait (the drafting gate's `Exploration`). Both parts observe every round, so each
-stays in step with the committed text.
+that leaves it not paying doubles that wait (`Exploration`, as the drafting gate's). Both parts observe every
+round, so each stays in step with the committed text.
 
 Lossless at any temperature: the choice depends only on the context and on earlier rounds, never on the
 model's drafts of this round, so whichever proposal is verified was drawn from the q it carries (choosing a
@@ -38,7 +38,7 @@ from specdecode.drafters.base import (
     in_second_round,
 )
 from specdecode.drafters.suffix import SuffixDrafter, expected_accepted
-from specdecode.engine.drafting_gate import DraftYield, Exploration
+from specdecode.drafters.yields import DraftYield, Exploration
 from specdecode.machine import machine_info, measurement_file, quiet_samples
 from specdecode.models.linear import kernels_digest
 from specdecode.models.target import Target

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal
-from specdecode.engine.sps import profile_target
+from specdecode.models.sps import profile_target
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 

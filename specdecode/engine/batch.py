@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters.base import Proposal, TargetFeatures
-from specdecode.engine.sps import DEFAULT_SIZES, StepCostTable, load_or_profile
 from specdecode.errors import SpecDecodeError
 from specdecode.models.llama import Output, Rows
+from specdecode.models.sps import DEFAULT_SIZES, StepCostTable, load_or_profile
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams, probabilities
 from specdecode.verify import ChainResult, verify_block, verify_greedy

@@ -35,10 +35,11 @@ from typing import TypeVar
 import torch
 
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
+from specdecode.drafters.yields import DraftYield
 from specdecode.engine.batch import BatchedTarget, VerifyRow, profile_batched_pass, verify_batch
 from specdecode.engine.decode import Completion, stream_safe
 from specdecode.engine.detokenize import IncrementalText
-from specdecode.engine.drafting_gate import DraftingGate, DraftYield, profile_drafting
+from specdecode.engine.drafting_gate import DraftingGate, profile_drafting
 from specdecode.engine.metrics import EngineMetrics
 from specdecode.engine.scheduler import SCHEDULER_MODES, has_confidences, schedule
 from specdecode.engine.stats import DecodeStats

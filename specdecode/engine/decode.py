@@ -16,9 +16,9 @@ from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFe
 from specdecode.engine.detokenize import IncrementalText
 from specdecode.engine.drafting_gate import DraftingGate, profile_drafting
 from specdecode.engine.scheduler import SCHEDULER_MODES, has_confidences, schedule
-from specdecode.engine.sps import profile_target
 from specdecode.engine.stats import DecodeStats
 from specdecode.errors import SpecDecodeError
+from specdecode.models.sps import profile_target
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams, probabilities
 from specdecode.verify import ChainResult, verify_block, verify_greedy, verify_tree, verify_tree_greedy

@@ -1,6 +1,6 @@
 """How many draft tokens of each request to verify: DSpark's hardware-aware prefix scheduler (Algorithm 1).
 
-A verify pass over B tokens runs at SPS(B) steps per second (profiled on this machine, `engine/sps.py`).
+A verify pass over B tokens runs at SPS(B) steps per second (profiled on this machine, `models/sps.py`).
 Request r's j-th draft survives with probability a_{r,j} = prod_{i<=j} c_{r,i}, its prefix survival
 computed from the calibrated confidences. Verifying l_r drafts of each request yields in expectation
 tau = sum_r (1 + sum_{j<=l_r} a_{r,j}) tokens per step, so the batch produces Theta = tau * SPS(B)

@@ -20,10 +20,10 @@ import torch
 from specdecode.drafters.base import Drafter, TargetFeatures
 from specdecode.drafters.checkpoint import load_drafter
 from specdecode.engine.scheduler import prefix_survival, schedule_prefix, schedule_threshold
-from specdecode.engine.sps import StepCostTable, profile_target
 from specdecode.evaluation.calibration_report import record_rounds, unseen_prompts
 from specdecode.evaluation.results import write_results
 from specdecode.machine import measure_quietly
+from specdecode.models.sps import StepCostTable, profile_target
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 from specdecode.training.calibration import Rounds, calibrated_confidence
