@@ -34,7 +34,6 @@ from specdecode.drafters.vocab import draft_ids_of, maps_agree, vocab_maps
 from specdecode.errors import SpecDecodeError
 from specdecode.models.llama import KVCache
 from specdecode.sampling import SamplingParams, probabilities, sample
-from specdecode.training.calibration import calibrated_confidence
 
 
 @dataclass
@@ -250,6 +249,17 @@ class DSparkModel(nn.Module):
         if not self.config.confidence_head:
             return None
         return self.confidence(h if embedded is None else torch.cat([h, embedded], -1)).squeeze(-1)
+
+
+def calibrated_confidence(
+    logits: torch.Tensor, temperatures: list[float] | torch.Tensor, biases: list[float] | torch.Tensor = ()
+) -> torch.Tensor:
+    """c_k = sigmoid(z_k / T_k + b_k) over the last dimension (the first len(z) positions of the map);
+    an empty list of temperatures or biases means T = 1 or b = 0 (an uncalibrated drafter)."""
+    n, dtype = logits.shape[-1], logits.dtype
+    t = torch.as_tensor(temperatures, dtype=dtype)[:n] if len(temperatures) else torch.ones(n, dtype=dtype)
+    b = torch.as_tensor(biases, dtype=dtype)[:n] if len(biases) else torch.zeros(n, dtype=dtype)
+    return torch.sigmoid(logits / t + b)
 
 
 class BlockDrafter(Drafter):

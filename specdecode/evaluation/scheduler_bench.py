@@ -19,6 +19,7 @@ import torch
 
 from specdecode.drafters.base import Drafter, TargetFeatures
 from specdecode.drafters.checkpoint import load_drafter
+from specdecode.drafters.dspark import calibrated_confidence
 from specdecode.engine.scheduler import prefix_survival, schedule_prefix, schedule_threshold
 from specdecode.evaluation.calibration_report import record_rounds, unseen_prompts
 from specdecode.evaluation.results import write_results
@@ -26,7 +27,7 @@ from specdecode.machine import measure_quietly
 from specdecode.models.sps import StepCostTable, profile_target
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
-from specdecode.training.calibration import Rounds, calibrated_confidence
+from specdecode.training.calibration import Rounds
 
 NORMAL = "normal decoding (no drafts, no drafting)"
 PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
+from specdecode.drafters.dspark import calibrated_confidence
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 
@@ -84,17 +85,6 @@ class RoundRecorder(Drafter):
         if not self.logits:
             raise SpecDecodeError("no drafting rounds were recorded")
         return Rounds(torch.tensor(self.logits, dtype=torch.float64), torch.tensor(self.accepted, dtype=torch.float64))
-
-
-def calibrated_confidence(
-    logits: torch.Tensor, temperatures: list[float] | torch.Tensor, biases: list[float] | torch.Tensor = ()
-) -> torch.Tensor:
-    """c_k = sigmoid(z_k / T_k + b_k) over the last dimension (the first len(z) positions of the map);
-    an empty list of temperatures or biases means T = 1 or b = 0 (an uncalibrated drafter)."""
-    n, dtype = logits.shape[-1], logits.dtype
-    t = torch.as_tensor(temperatures, dtype=dtype)[:n] if len(temperatures) else torch.ones(n, dtype=dtype)
-    b = torch.as_tensor(biases, dtype=dtype)[:n] if len(biases) else torch.zeros(n, dtype=dtype)
-    return torch.sigmoid(logits / t + b)
 
 
 def cumulative_confidence(
