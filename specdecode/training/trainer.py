@@ -213,6 +213,7 @@ def train(
             f"(micro_batch_size {config.micro_batch_size} x grad_accum {config.grad_accum} x {world_size} processes)"
         )
     total_steps = config.max_steps or config.epochs * steps_per_epoch
+    by_clock = config.max_time_s is not None  # the schedule follows the clock (`clock_lr`)
     eval_examples = eval_examples[: config.eval_examples]
 
     # ---- AdamW on fp32 masters (a float32 parameter is its own master)
@@ -242,7 +243,7 @@ def train(
         rng = checkpoint["rng"][rank] if len(checkpoint["rng"]) == world_size else checkpoint["rng"][0]
         _set_rng_state(rng)
         step, elapsed_before = state["step"], state["elapsed"]
-        if config.max_time_s is not None and elapsed_before >= config.max_time_s:
+        if by_clock and elapsed_before >= config.max_time_s:
             total_steps = step  # it spent its time: done
     if master:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -251,8 +252,7 @@ def train(
 
     # ---- the loop
     metrics_file = open(out_dir / METRICS, "a") if master else None
-    by_clock = config.max_time_s is not None  # the bar then counts seconds of the budget, not steps
-    bar = tqdm(
+    bar = tqdm(  # on the clock it counts the budget's seconds
         total=config.max_time_s if by_clock else total_steps,
         initial=min(elapsed_before, config.max_time_s) if by_clock else step,
         desc="train (on the clock)" if by_clock else "train",
@@ -276,7 +276,7 @@ def train(
                 if epoch != order_epoch:
                     order_epoch, order = epoch, epoch_order(len(train_examples), config.seed, epoch)
                 first = (step % steps_per_epoch) * global_batch
-                clock = elapsed_before + step_start - start  # rank 0's decides, through the all-reduce below
+                clock = elapsed_before + step_start - start  # rank 0's clock decides, through the all-reduce below
 
                 # forward/backward over this rank's micro-batches m = rank, rank + world_size, ...
                 sums = None
@@ -302,12 +302,12 @@ def train(
                 totals = totals.cpu()
                 means = (totals[: len(keys)] / micro_batches).tolist()
                 stopping, clock = totals[-2].item() > 0, totals[-1].item()
-                if config.max_time_s is None:
-                    lr = lr_at(step, total_steps, config)
-                else:
+                if by_clock:
                     lr = clock_lr(clock, config)
                     if clock >= config.max_time_s:
                         total_steps = step + 1  # the time is spent: this step is the last
+                else:
+                    lr = lr_at(step, total_steps, config)
 
                 # optimizer step on the fp32 masters: clip, schedule, AdamW, copy back
                 for p, m in zip(params, masters, strict=True):
