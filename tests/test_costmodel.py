@@ -123,6 +123,19 @@ def test_premise_pairs_each_repetition_with_its_own_bandwidth_probe():
     assert statistics.median(times) / (bytes_read / fast * 1e3) == pytest.approx(3.0)  # unpaired, fast probe
 
 
+def test_premise_pairs_t_k_with_the_t_1_of_its_own_repetition():
+    """When t(1) and t(8) move apart with the memory state, the medians of each can come from different states and
+    give a ratio no repetition showed; the median of the paired ratios is one that a repetition did show."""
+    from specdecode.evaluation.premise import paired_ratio
+
+    fast, slow, middle = (8.0, 14.0), (11.0, 12.0), (9.5, 11.0)  # (t(1), t(8)) ms in three memory states
+    reps = [fast] * 3 + [slow] * 3 + [middle]
+    ones, eights = [r[0] for r in reps], [r[1] for r in reps]
+    unpaired = statistics.median(eights) / statistics.median(ones)
+    assert all(abs(unpaired - e / o) > 0.05 for o, e in reps)
+    assert paired_ratio(eights, ones) in {e / o for o, e in reps}
+
+
 def test_premise_runs_end_to_end_on_a_local_model(tmp_path):
     """`bench premise` on a tiny local model folder: one bandwidth probe per kept repetition and context, the
     paired t(1) / read roofline in the JSON and in the summary table."""
