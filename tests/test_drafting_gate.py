@@ -32,16 +32,24 @@ def test_gate_drafts_where_it_pays_and_explores_where_it_does_not():
 
     costly = DraftingGate(compute_bound, lambda r: 0.005 * r)
     costly.stepped(True)
-    low = [DraftYield(kept=0.3, verified=2.0) for _ in range(4)]
+    low = [DraftYield(kept=0.3, verified=2.0) for _ in range(3)] + [DraftYield(kept=0.3, verified=2.0, rounds=5)]
     steps = []
     for _ in range(8 * EXPLORE_EVERY):
         steps.append(costly.choose(low))
+        for request_yield, drafted in zip(low, steps[-1], strict=True):
+            if drafted:
+                costly.observe(request_yield, verified=2, kept=0)
         costly.stepped(any(steps[-1]))
-    # 5.2 tokens for 140 ms against 4 for 40 ms: only the exploring steps draft, every request at once, and each
-    # try that does not pay doubles the wait (16, 32, then 64 steps without drafting)
+    # 5.2 tokens for 140 ms against 4 for 40 ms: only the exploring steps draft, one request at a time (the one
+    # that drafted least: the last has 5 rounds behind it), and each try that does not pay doubles the wait (16,
+    # 32, then 64 steps without drafting)
     drafting = [i for i, step in enumerate(steps) if any(step)]
     assert drafting == [EXPLORE_EVERY, 3 * EXPLORE_EVERY + 1, 7 * EXPLORE_EVERY + 2]
-    assert all(steps[i] == [True] * 4 for i in drafting)
+    assert [steps[i] for i in drafting] == [
+        [True, False, False, False],
+        [False, True, False, False],
+        [False, False, True, False],
+    ]
     assert costly.choose([]) == []  # nothing to draft for
 
 

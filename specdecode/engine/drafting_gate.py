@@ -13,12 +13,14 @@ yield, for the m requests of highest yield drafting and the others not:
 (the batched pass runs its linears on the rows' tokens packed, so it costs what their number costs) where
 kept_r and verified_r are means of request r's accepted and verified drafts over its steps that drafted (a
 new request starts from the engine's mean; `DraftYield`), and takes the best m. After `EXPLORE_EVERY`
-steps without drafting every request drafts once, so the means stay current, all in the same step (one
-batched call; trying one request per step instead measured no better on a Zen 4 EPYC at 4 clients, 0.958x
-against 0.964x normal decoding, though drafting costs grow about linearly there: 1.4 / 2.3 / 4.1 ms for
-1 / 2 / 4 requests). Each such try that
-leaves drafting still not paying doubles the wait before the next (up to `MAX_EXPLORE_EVERY`; a step that
-drafts on its merits resets it). In the demo's flow the backoff and a fixed 16-round wait tie on its chat
+steps without drafting one request drafts, so the means stay current: the one that has drafted least, so each
+takes its turn and a new one comes first. A try pays the drafting and whatever target features of its request
+are still unprojected (a prompt's, the first time: 8-13 ms for 500 tokens), so trying every request at once
+cost a fresh engine 8% of its tokens at 12 requests of 64 tokens, where drafting never paid (Zen 4 EPYC,
+MT-Bench, interleaved in one process, medians of 7 sweeps: 0.96x normal decoding with every request trying,
+0.99x with one; 1, 4 and 8 clients unchanged within the sweeps' noise). Each try that leaves drafting still
+not paying doubles the wait before the next (up to `MAX_EXPLORE_EVERY`; a step that drafts on its merits
+resets it). In the demo's flow the backoff and a fixed 16-round wait tie on its chat
 prompt (`tools/demo_ab.py`, results/demo_ab*.md).
 Both costs are tables measured once per machine and cached (SPS(B) of the batched pass, and
 `profile_drafting` below), never timed as steps go, so a seeded request decodes the same tokens on every
@@ -45,7 +47,7 @@ class DraftingGate:
         self.verify_s, self.draft_s = verify_s, draft_s
         self.engine_yield = DraftYield()
         self.exploration = Exploration()
-        self.exploring = False  # this step drafts only because a try was due
+        self.exploring = False  # this step drafts (one request) only because a try was due
 
     def new_request(self) -> DraftYield:
         return self.engine_yield.prior()
@@ -57,7 +59,8 @@ class DraftingGate:
             return []
         self.exploring = self.exploration.due()
         if self.exploring:
-            return [True] * r
+            tried = min(range(r), key=lambda i: yields[i].rounds)
+            return [i == tried for i in range(r)]
         by_yield = sorted(range(r), key=lambda i: -yields[i].kept)
         best_m, best_rate = 0, r / self.verify_s(r)
         kept, verified = 0.0, 0
