@@ -453,9 +453,9 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// softmax_block for paired value sums: the weights rounded to bfloat16 (nearest even, vcvtneps2bf16; every
-// weight is a normal float or 0) and kept so in `paired`, zero from `visible` on to the next 16 (the last key
-// of an odd block pairs with a 0), their sum added to `total`.
+// softmax_block for paired value sums: the weights rounded to bfloat16 (nearest even, vcvtneps2bf16, which
+// makes 0 of a weight under 2^-126: a score ~87 below the block's maximum) and kept so in `paired`, zero from
+// `visible` on to the next 16 (the last key of an odd block pairs with a 0), their sum added to `total`.
 ALWAYS_INLINE void softmax_block_paired(const float* weights, int64_t visible, int64_t D, float& best, float& total,
                                         float* am, uint16_t* paired) {
   __m512 maxima = _mm512_set1_ps(-INFINITY);
@@ -476,7 +476,8 @@ ALWAYS_INLINE void softmax_block_paired(const float* weights, int64_t visible, i
     const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, weights + b), _mm512_set1_ps(best));
     const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(live, exp16(x)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(paired + b), (__m256i)rounded);
-    block_total = _mm512_add_ps(block_total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16)));
+    const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)rounded), 16);  // exact
+    block_total = _mm512_add_ps(block_total, _mm512_castsi512_ps(widened));
   }
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, block_total);
