@@ -263,6 +263,19 @@ def test_cached_attention_matches_sdpa_and_each_query_alone(head_dim, dtype):
             assert torch.equal(alone[0, :, 0], out[r, :, m])
 
 
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")
+def test_cached_attention_refuses_to_read_outside_the_cache():
+    """A slot past the cache's slots or a limit past its capacity is an error, never a read out of bounds."""
+    keys = values = torch.zeros(2, 1, 16, 32)
+    q = torch.zeros(1, 1, 2, 32)
+    attend = torch.ops.specdecode.cached_attention
+    assert attend(q, keys, values, torch.tensor([1]), torch.tensor([[16, 16]]), 1.0).shape == q.shape
+    with pytest.raises(RuntimeError, match="slot lies outside"):
+        attend(q, keys, values, torch.tensor([2]), torch.tensor([[3, 4]]), 1.0)
+    with pytest.raises(RuntimeError, match="past the cache's capacity"):
+        attend(q, keys, values, torch.tensor([0]), torch.tensor([[3, 17]]), 1.0)
+
+
 def test_the_cache_holds_the_weights_dtype(smollm2, smollm2_fp32):
     """bfloat16 weights, bfloat16 cache (half the bytes a long or batched step reads); float32 stays float32."""
     assert smollm2.kv.keys.dtype == smollm2.runner.cache_dtype == next(smollm2.model.parameters()).dtype
