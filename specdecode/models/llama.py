@@ -365,6 +365,13 @@ class LlamaRunner:
             x += delta
         return F.rms_norm(x, x.shape[-1:], weight, self.eps)
 
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the rows [gate | up]: the C++ loop's own kernel where the kernels run."""
+        if self.fused:
+            return torch.ops.specdecode.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of the q and k heads (N, heads, D) of N tokens at angles (N, D)."""
         if self.fused:
@@ -466,8 +473,7 @@ class LlamaRunner:
             v = unpack(qkv[:, (H + KV) * D :].view(N, KV, D)).transpose(1, 2)
             out = self._attend(i, qk[:, :H], qk[:, H:], v, cache, rows, attention).transpose(1, 2)
             h = self._norm(x, layer.o(pack(out).reshape(N, H * D)), layer.post_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            delta = layer.down(F.silu(gate) * up)
+            delta = layer.down(self._silu_mul(layer.gate_up(h)))
             if i in capture:
                 captured[i] = unpack(x + delta)
         return delta
