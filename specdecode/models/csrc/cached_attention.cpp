@@ -707,10 +707,10 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
                   slot_index.numel() == R,
               "cached_attention: int64 slots (one a row) and limits");
   // scanned in place: limit.max().item() was two dispatched ops, ~2 us of a ~10 us one-token call
-  const int64_t *slot_first = slot_index.data_ptr<int64_t>(), *limit_first = limit.data_ptr<int64_t>();
-  TORCH_CHECK(std::all_of(slot_first, slot_first + R, [&](int64_t s) { return 0 <= s && s < keys.size(0); }),
+  const int64_t *sp = slot_index.data_ptr<int64_t>(), *lp = limit.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(sp, sp + R, [&](int64_t s) { return 0 <= s && s < keys.size(0); }),
               "a row's slot lies outside the cache");
-  TORCH_CHECK(std::all_of(limit_first, limit_first + R * M, [C](int64_t l) { return l <= C; }),
+  TORCH_CHECK(std::all_of(lp, lp + R * M, [C](int64_t l) { return l <= C; }),
               "a query would read past the cache's capacity");
   torch::Tensor path_entries, path_starts;
   int64_t width = 0;
@@ -728,7 +728,6 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
   }
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const int64_t *sp = slot_index.data_ptr<int64_t>(), *lp = limit.data_ptr<int64_t>();
   const int64_t* pp = width ? path_entries.data_ptr<int64_t>() : nullptr;
   const int64_t* ps = paths.has_value() ? path_starts.data_ptr<int64_t>() : nullptr;
   float* op = out.data_ptr<float>();
