@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import re
 import statistics
 
 import pytest
@@ -138,7 +139,7 @@ def test_premise_pairs_t_k_with_the_t_1_of_its_own_repetition():
 
 def test_premise_runs_end_to_end_on_a_local_model(tmp_path):
     """`bench premise` on a tiny local model folder: one bandwidth probe per kept repetition and context, the
-    paired t(1) / read roofline in the JSON and in the summary table."""
+    paired t(1) / read roofline in the JSON and in the summary table, with the probe's median and range."""
     from specdecode.evaluation.premise import run_premise
     from tests.conftest import tiny_llama, tiny_tokenizer
 
@@ -154,6 +155,11 @@ def test_premise_runs_end_to_end_on_a_local_model(tmp_path):
     assert set(paired) == {"6", "12"} and all(r > 0 for r in paired.values())
     summary = (tmp_path / "out" / "premise.md").read_text()
     assert f"| {paired['6']:.2f} |" in summary
+    for context in (6, 12):  # the probe's median and range end each context's row (the JSON keeps 0.1 GB/s)
+        row = next(line for line in summary.splitlines() if line.startswith(f"| {context} | "))
+        median, low, high = map(float, re.search(r"\| (\d+) \((\d+)-(\d+)\) \|$", row).groups())
+        probed = samples[str(context)]
+        assert low - 1 <= min(probed) and max(probed) <= high + 1 and abs(median - statistics.median(probed)) <= 1
 
 
 # ---- parameter counts --------------------------------------------------------------------------------

@@ -144,7 +144,8 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
         for c in contexts
     }
     batched = batched_decoding(default, contexts, reps, generator)
-    summary = _summary(runs, contexts, positions, read_roofline_ms, paired) + "\n\n" + _batched_table(batched)
+    summary = _summary(runs, contexts, positions, read_roofline_ms, paired, read_bytes_per_s)
+    summary += "\n\n" + _batched_table(batched)
     table = _table(runs, variants, positions, contexts)
     plot = _plot(runs, variants, positions, contexts, out_dir)
     write_results(
@@ -231,15 +232,18 @@ def _summary(
     positions: list[int],
     read_roofline_ms: dict[int, float],
     paired: dict[int, float],
+    read_bytes_per_s: dict[int, list[float]],
 ) -> str:
     """Per context: the default's t(1) against the roofline (the dtype's weights and the KV cache; and the time to
     read what its kernels stream, which is less where they read the GGUF's rows) and the HF forward, and its t(8)/t(1),
     t(16)/t(1) beside the roofline's own: where k positions' FLOPs outlast one pass's bytes, no kernel gets
     below it. `t(1) / read roofline` pairs each repetition's t(1) with the bandwidth probed in that repetition
-    (median of those ratios), so a change of the machine's memory state between repetitions cancels."""
+    (median of those ratios), so a change of the machine's memory state between repetitions cancels; the probe's
+    median and range per context say which state (or states) the passes met."""
     lines = ["| context | runner t(1) ms | roofline ms | t(1) / roofline | read roofline ms | t(1) / read roofline | "
-             "hf t(1) / runner t(1) | t(8)/t(1) | t(16)/t(1) | roofline t(8)/t(1) | roofline t(16)/t(1) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "hf t(1) / runner t(1) | t(8)/t(1) | t(16)/t(1) | roofline t(8)/t(1) | roofline t(16)/t(1) | "
+             "read GB/s (range) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for context in contexts:
         cell = {(r["variant"], r["positions"]): r for r in runs if r["context"] == context}
         one = cell[("runner-auto", 1)]
@@ -248,10 +252,12 @@ def _summary(
             for key in ("ratio_to_k1", "predicted_ratio")
             for k in (8, 16)
         ]
+        probed = [b / 1e9 for b in read_bytes_per_s[context]]
         lines.append(
             f"| {context} | {one['ms_median']:.1f} | {one['roofline_ms']:.1f} | {one['ratio_to_roofline']:.2f} | "
             f"{read_roofline_ms[context]:.1f} | {paired[context]:.2f} | "
-            f"{cell[('hf', 1)]['ms_median'] / one['ms_median']:.2f} | " + " | ".join(ratios) + " |"
+            f"{cell[('hf', 1)]['ms_median'] / one['ms_median']:.2f} | " + " | ".join(ratios) + " | "
+            f"{statistics.median(probed):.0f} ({min(probed):.0f}-{max(probed):.0f}) |"
         )
     return "\n".join(lines)
 
