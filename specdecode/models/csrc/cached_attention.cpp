@@ -408,6 +408,16 @@ inline void add_values_tile(float* acc, const Entry* v, const float (*weights)[k
 }
 #endif
 
+// A block whose maximum tops the running one `best`: what was summed so far (`total` and the D sums in `am`) is
+// rescaled to the new maximum, which becomes `best` (both softmax paths).
+ALWAYS_INLINE void raise_maximum(float block_max, int64_t D, float& best, float& total, float* am) {
+  if (!(block_max > best)) return;  // a NaN maximum leaves the sums alone
+  const float shrink = exp1(best - block_max);
+  total *= shrink;
+  for (int64_t d = 0; d < D; d += 8) store8(am + d, load8(am + d) * splat(shrink));
+  best = block_max;
+}
+
 // One query's scores of a block (scaled, in `weights`) turned into its softmax weights against the running
 // maximum `best` (what was summed so far, am and total, rescaled when it grows), the block's share added to
 // `total`.
@@ -421,12 +431,7 @@ ALWAYS_INLINE void softmax_block(float* weights, int64_t visible, int64_t D, flo
   }
   for (; b < visible; ++b) block_max = std::max(block_max, weights[b]);
   for (int i = 0; i < 8; ++i) block_max = std::max(block_max, maxima[i]);
-  if (block_max > best) {  // a new maximum: rescale what was summed so far
-    const float shrink = exp1(best - block_max);
-    total *= shrink;
-    for (int64_t d = 0; d < D; d += 8) store8(am + d, load8(am + d) * splat(shrink));
-    best = block_max;
-  }
+  raise_maximum(block_max, D, best, total, am);
   for (b = visible; b < (visible + 7) / 8 * 8; ++b) weights[b] = -INFINITY;  // exp gives 0 there
   v8 block_total = splat(0.f);
   for (b = 0; b < visible; b += 8) {
@@ -464,12 +469,7 @@ ALWAYS_INLINE void softmax_block_paired(const float* weights, int64_t visible, i
     maxima = _mm512_max_ps(maxima, _mm512_mask_loadu_ps(maxima, live, weights + b));
   }
   const float block_max = _mm512_reduce_max_ps(maxima);  // a maximum is exact in any order
-  if (block_max > best) {  // a new maximum: rescale what was summed so far
-    const float shrink = exp1(best - block_max);
-    total *= shrink;
-    for (int64_t d = 0; d < D; d += 8) store8(am + d, load8(am + d) * splat(shrink));
-    best = block_max;
-  }
+  raise_maximum(block_max, D, best, total, am);
   __m512 block_total = _mm512_setzero_ps();
   for (int64_t b = 0; b < visible; b += 16) {
     const __mmask16 live = visible - b >= 16 ? 0xFFFF : (1u << (visible - b)) - 1;
