@@ -113,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--per-benchmark", type=int, default=3, help="prompts from each benchmark of the mix")
     bh.add_argument("--repeats", type=int, default=1, help="interleaved repetitions per prompt")
     bh.add_argument("--out", default="docs/results")
+    bd = bsub.add_parser("drafting", help="a drafting round for R requests against a one-position target pass")
+    _add_target_args(bd)
+    bd.add_argument("--drafter", default="default", help=DRAFTER_HELP)
+    bd.add_argument("--requests", default="1,2,4,8,16", help="comma-separated numbers of requests drafting at once")
+    bd.add_argument("--contexts", default="128,512")
+    bd.add_argument("--draft-length", type=int, default=7)
+    bd.add_argument("--repeats", type=int, default=15)
+    bd.add_argument("--out", default="docs/results")
+    bd.add_argument("--name", default="drafting")
     bb = bsub.add_parser("baselines", help="tokens/s of none / ngram / draft-model, interleaved")
     _add_target_args(bb)
     bb.add_argument("--draft-length", type=int, default=8)
@@ -553,6 +562,19 @@ def cmd_bench(args) -> None:
 
         target = _load_target(args)
         run_hybrid_bench(target, args.draft_length, args.max_new_tokens, args.per_benchmark, args.repeats, args.out)
+    elif args.bench == "drafting":
+        from specdecode.evaluation.drafting_bench import run_drafting_bench
+
+        run_drafting_bench(
+            _load_target(args),
+            args.drafter,
+            _positions(args.requests),
+            _positions(args.contexts),
+            args.draft_length,
+            args.repeats,
+            args.out,
+            args.name,
+        )
     elif args.bench == "baselines":
         from specdecode.evaluation.baselines import run_baselines
 

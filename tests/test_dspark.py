@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdecode.drafters import context_pool
 from specdecode.drafters.base import Drafter, TargetFeatures
 from specdecode.drafters.checkpoint import load_drafter, save_drafter
 from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel, _batch_cache, _context_and_mask
@@ -131,10 +132,10 @@ def test_batched_proposals_equal_single_ones():
     model = make_model(target)
     ids = torch.randint(2, 24, (3, 14), generator=torch.Generator().manual_seed(3))
     committed = [ids[0, :5].tolist(), ids[1, :12].tolist(), ids[2, :9].tolist()]
-    drafters = []
+    drafters, prototype = [], BlockDrafter(model)
     for row, seq in zip(ids, committed, strict=True):
         out = features_of(target, row)
-        drafter = BlockDrafter(model)
+        drafter = copy.copy(prototype)  # a request each, as the engines make them
         n = len(seq) - 1
         drafter.begin(
             seq, SamplingParams(), torch.Generator(), TargetFeatures(out.layer_hidden[:n], out.last_hidden[:n])
@@ -150,6 +151,70 @@ def test_batched_proposals_equal_single_ones():
             torch.testing.assert_close(got.confidences, alone.confidences)
 
 
+@pytest.mark.parametrize("loop", [True, False], ids=["cpp-loop", "python"])
+def test_requests_share_one_context_pool_and_give_back_their_slots(monkeypatch, loop):
+    """The copies of one drafter keep their contexts in one pool, a slot each, read in place by a batched
+    round: requests that join while others draft (the pool's slots and capacity doubling under them) get the
+    blocks they would get alone; an ended request's slot, or a dropped copy's, goes to the next request; a
+    copy of a drafter that holds a slot takes its own; drafters of different pools cannot share a batch."""
+    monkeypatch.setattr(context_pool, "MIN_CAPACITY", 8)  # contexts of 5-14 tokens outgrow it
+    target = tiny_target(vocab_size=24)
+    prototype = loop_drafter(target) if loop else BlockDrafter(make_model(target))
+    ids = torch.randint(2, 24, (3, 16), generator=torch.Generator().manual_seed(7))
+    outs = [features_of(target, row) for row in ids]
+
+    def begun(drafter: BlockDrafter, r: int, n: int) -> BlockDrafter:
+        d = copy.copy(drafter)
+        features = TargetFeatures(outs[r].layer_hidden[: n - 1], None)
+        d.begin(ids[r, :n].tolist(), SamplingParams(), torch.Generator(), features)
+        return d
+
+    def alone(r: int, n: int) -> list[int]:  # a fresh drafter of the same model, holding request r alone
+        d = begun(BlockDrafter(prototype.model), r, n)
+        d.kernels = prototype.kernels
+        return d.propose(ids[r, :n].tolist(), 4).tokens.tolist()
+
+    a = begun(prototype, 0, 5)
+    assert a.propose(ids[0, :5].tolist(), 4).tokens.tolist() == alone(0, 5) and a.cache.slots == 1
+    b, c = begun(prototype, 1, 12), begun(prototype, 2, 9)
+    a.observe(ids[0, :7].tolist(), 1, TargetFeatures(outs[0].layer_hidden[4:6], None))
+    got = BlockDrafter.propose_batch(
+        [a, b, c], [ids[0, :7].tolist(), ids[1, :12].tolist(), ids[2, :9].tolist()], [4] * 3
+    )
+    assert [p.tokens.tolist() for p in got] == [alone(0, 7), alone(1, 12), alone(2, 9)]
+    assert (
+        [a.slot, b.slot, c.slot] == [0, 1, 2]
+        and a.cache.slots == 3
+        and a.cache.capacity >= b.length + b.config.block_size > 8
+    )
+    a.end(ids[0].tolist())
+    d = begun(prototype, 0, 5)
+    del b
+    e = begun(prototype, 1, 5)
+    assert (d.slot, e.slot) == (0, 1) and begun(c, 2, 5).slot not in (0, 1, c.slot)
+    with pytest.raises(SpecDecodeError, match="copies of one drafter"):
+        other = begun(BlockDrafter(prototype.model), 0, 5)
+        BlockDrafter.propose_batch([c, other], [ids[2, :9].tolist(), ids[0, :5].tolist()], [4, 4])
+
+
+def test_bench_drafting_times_rounds_after_target_passes(tmp_path):
+    """`bench drafting` on a tiny saved DSpark drafter: a row per context and number of requests, each with its
+    round paired against the one-position target pass before it, in the shared results shape."""
+    from specdecode.evaluation.drafting_bench import run_drafting_bench
+
+    target = tiny_target(vocab_size=160)  # the bench draws token ids from 100 up
+    model = make_model(target)
+    save_drafter(tmp_path / "d", "dspark", model, model.config.to_dict(), target)
+    run_drafting_bench(target, str(tmp_path / "d"), [1, 3], [6, 20], draft_length=3, repeats=2, out_dir=str(tmp_path))
+    data = json.loads((tmp_path / "drafting.json").read_text())
+    assert [(r["context"], r["requests"]) for r in data["runs"]] == [(6, 1), (6, 3), (20, 1), (20, 3)]
+    for r in data["runs"]:
+        low, high = r["round_ms_range"]
+        assert 0 < low <= r["round_ms"] <= high and r["t1_ms"] > 0 and r["round_over_t1"] > 0
+        assert r["per_request_ms"] == pytest.approx(r["round_ms"] / r["requests"], abs=1e-3)
+    assert "| 20 | 3 |" in (tmp_path / "drafting.md").read_text()
+
+
 def test_features_left_pending_by_rounds_without_drafting_give_the_same_context():
     """Committed features are projected at the next draft: a drafter that observed four rounds without drafting
     (the gate said no) then drafts what a drafter that drafted every round drafts, and its context K/V holds
@@ -158,7 +223,7 @@ def test_features_left_pending_by_rounds_without_drafting_give_the_same_context(
     model = make_model(target)
     ids = torch.randint(2, 24, (2, 16), generator=torch.Generator().manual_seed(5))
     outs = [features_of(target, row) for row in ids]
-    eager, lazy = [BlockDrafter(model) for _ in ids], [BlockDrafter(model) for _ in ids]
+    eager, lazy = ([copy.copy(prototype) for _ in ids] for prototype in (BlockDrafter(model), BlockDrafter(model)))
     for drafters in (eager, lazy):
         for d, out, row in zip(drafters, outs, ids, strict=True):
             d.begin(row[:4].tolist(), SamplingParams(), torch.Generator(), TargetFeatures(out.layer_hidden[:3], None))
@@ -177,9 +242,9 @@ def test_features_left_pending_by_rounds_without_drafting_give_the_same_context(
         with torch.no_grad():  # the whole context projected at once, at positions 0..12
             whole = model.context_kv(model.context(out.layer_hidden[None, :13]), torch.arange(13)[None])
         for layer, (wk, wv) in enumerate(whole):
-            for cache in (d.cache, e.cache):
-                torch.testing.assert_close(cache.keys[layer, :1, :, :13], wk)
-                torch.testing.assert_close(cache.values[layer, :1, :, :13], wv)
+            for r in (d, e):
+                torch.testing.assert_close(r.cache.keys[layer, r.slot : r.slot + 1, :, :13], wk)
+                torch.testing.assert_close(r.cache.values[layer, r.slot : r.slot + 1, :, :13], wv)
 
 
 @pytest.mark.parametrize(
@@ -258,17 +323,17 @@ def test_the_cpp_kernels_draft_what_the_python_path_drafts(qk_norm, kernel, mark
             torch.testing.assert_close(a.confidences, b.confidences, rtol=1e-4, atol=1e-5)
     for a, b in zip(looped, python, strict=True):  # the context K/V: one fused product and the C++ norm, rotation
         for name in ("keys", "values"):
-            got, want = (getattr(d.cache, name)[:, :, :, : d.length] for d in (a, b))
+            got, want = (getattr(d.cache, name)[:, d.slot, :, : d.length] for d in (a, b))
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     model, g = drafter.model, drafter.config.block_size
     inputs = torch.randn(3, g, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     positions = torch.stack([torch.arange(len(s) - 1, len(s) - 1 + g) for s in committed])
-    cache, starts = _batch_cache(looped, g)
+    cache, slots, starts = _batch_cache(looped, g)
     if kernel != "few-rows":  # the Python backbone ran, on the library kernel; the context K/V are checked
         return
     with torch.inference_mode():
-        want_states = model.backbone(inputs, positions, *_context_and_mask(cache, starts, g))
-        got_states = drafter.kernels.backbone(inputs, positions, cache, starts)
+        want_states = model.backbone(inputs, positions, *_context_and_mask(cache, slots, starts, g))
+        got_states = drafter.kernels.backbone(inputs, positions, cache, slots, starts)
     torch.testing.assert_close(got_states, want_states, rtol=1e-4, atol=1e-5)
 
 

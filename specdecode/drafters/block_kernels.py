@@ -4,7 +4,7 @@ Why: a drafting round is small (two layers over 7 block tokens a request, an LM 
 Python it is mostly dispatch: each layer ~45 ops (norms, rotations, the context concatenated with the block,
 SDPA), 2.0 ms a round for the shipped drafter of which ~0.6 ms streams weights; the sequential stage ~0.9 ms.
 - Backbone: the target's C++ layer loop (csrc/decoder_layers.cpp) runs the layers in one call. The context's
-  keys and values wait in a `KVCache` (each request's own, grown by doubling), the block's are written right
+  keys and values wait in a `ContextPool` (a slot per request, grown by doubling), the block's are written right
   after them (and overwritten by the next round's context), and every block query sees the context and the
   whole block: `limits` = context length + block size.
 - Context K/V: every layer's keys and values of new context vectors in one fused product.
@@ -78,16 +78,18 @@ class BlockKernels:
         return self.qkv[0].kernel_weight.dim() == 3 or self.qkv[0].kernel_for(tokens) == "few-rows"
 
     @torch.inference_mode()
-    def backbone(self, inputs: Tensor, positions: Tensor, cache: KVCache, starts: list[int]) -> Tensor:
-        """Final-normed states (R, Q, H) of block inputs (R, Q, H) at positions (R, Q); row r's context is slot r
-        of `cache`, entries 0 .. starts[r] - 1 (its block is written after them)."""
+    def backbone(
+        self, inputs: Tensor, positions: Tensor, cache: KVCache, slots: list[int], starts: list[int]
+    ) -> Tensor:
+        """Final-normed states (R, Q, H) of block inputs (R, Q, H) at positions (R, Q); row r's context is slot
+        slots[r] of `cache`, entries 0 .. starts[r] - 1 (its block is written after them)."""
         R, Q, hidden = inputs.shape
         x = inputs.reshape(R * Q, hidden).to(torch.float32, copy=True)  # the residual stream, updated in place
         cos, sin = (t.reshape(R * Q, -1) for t in self.rotary.tables(positions))
         group = self.heads // self.kv_heads
         limits = (torch.tensor(starts) + Q)[:, None].expand(R, group * Q).contiguous()
         delta, *_ = torch.ops.specdecode.decoder_layers(
-            x, self.weights, cache.keys, cache.values, cos, sin, torch.arange(R), starts, [Q] * R, limits, None,
+            x, self.weights, cache.keys, cache.values, cos, sin, torch.tensor(slots), starts, [Q] * R, limits, None,
             self.heads, self.kv_heads, self.head_norms, self.eps, [],
         )  # fmt: skip
         return torch.ops.specdecode.add_rms_norm(x, delta, self.norm, self.eps).view(R, Q, hidden)

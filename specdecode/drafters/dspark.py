@@ -29,6 +29,7 @@ from torch import nn
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
 from specdecode.drafters.block_kernels import BlockKernels
+from specdecode.drafters.context_pool import ContextPool
 from specdecode.drafters.layers import DecoderBlock, Rotary
 from specdecode.drafters.vocab import draft_ids_of, maps_agree, vocab_maps
 from specdecode.errors import SpecDecodeError
@@ -266,7 +267,8 @@ class BlockDrafter(Drafter):
     """Inference with a DSpark/DFlash model: the projected context K/V is cached and grows each round;
     the block's own K/V is never kept. Committed positions' target features wait until the next draft and
     are then projected in one product (for every drafting request at once): rounds that go without drafting
-    (the gate, or a scheduler that verifies nothing) cost the drafter nothing."""
+    (the gate, or a scheduler that verifies nothing) cost the drafter nothing. The copies of one drafter (a
+    request each) keep their contexts in one `ContextPool`, a slot each, which a batched round reads in place."""
 
     def __init__(self, model: DSparkModel) -> None:
         self.model = model.eval()
@@ -274,6 +276,8 @@ class BlockDrafter(Drafter):
         self.name = model.config.kind
         self.target_layer_ids = list(model.config.target_layer_ids)
         self.kernels = BlockKernels.of(model)  # inference on the C++ kernels, where they run (block_kernels.py)
+        self.pool = ContextPool(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
+        self.slot: int | None = None  # this request's slot of the pool (a copy takes its own in `begin`)
 
     @property
     def has_confidences(self) -> bool:
@@ -281,8 +285,9 @@ class BlockDrafter(Drafter):
 
     def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:
         self.params, self.generator = params, generator
-        self.cache: KVCache | None = None  # every layer's context keys and values, entries 0 .. length - 1
-        self.length = 0
+        if not self.pool.owns(self, self.slot):
+            self.slot = self.pool.acquire(self)
+        self.length = 0  # the slot's context entries 0 .. length - 1 hold every layer's keys and values
         self.pending: list[torch.Tensor] = [] if features is None else [features.layer_hidden]
 
     @classmethod
@@ -298,25 +303,27 @@ class BlockDrafter(Drafter):
         positions = torch.cat([torch.arange(d.length, d.length + len(r)) for d, r in zip(waiting, rows, strict=True)])
         context_kv = model.context_kv if kernels is None else kernels.context_kv
         new = context_kv(model.context(torch.cat(rows)[None]), positions[None])
+        room = max(d.length + len(r) + d.config.block_size for d, r in zip(waiting, rows, strict=True))
+        cache = waiting[0].pool.reserve(room, new[0][0])  # each context and the next block after it
         first = 0
         for d, r in zip(waiting, rows, strict=True):
-            d._reserve(d.length + len(r) + d.config.block_size, new[0][0])
             end = d.length + len(r)
             for layer, (k, v) in enumerate(new):
-                d.cache.keys[layer, 0, :, d.length : end] = k[0, :, first : first + len(r)]
-                d.cache.values[layer, 0, :, d.length : end] = v[0, :, first : first + len(r)]
+                cache.keys[layer, d.slot, :, d.length : end] = k[0, :, first : first + len(r)]
+                cache.values[layer, d.slot, :, d.length : end] = v[0, :, first : first + len(r)]
             d.length = end
             d.pending = []
             first += len(r)
 
-    def _reserve(self, entries: int, like: torch.Tensor) -> None:
-        """A cache that holds `entries` per layer (the context and the next block): made, or doubled."""
-        if self.cache is None:
-            c = self.config
-            shape = (c.num_layers, 1, c.num_kv_heads, c.head_dim, max(entries, 256))
-            self.cache = KVCache(*shape, like.dtype, like.device)
-        elif entries > self.cache.capacity:
-            self.cache.grow(max(entries, 2 * self.cache.capacity))
+    @property
+    def cache(self) -> KVCache | None:
+        """The pool's cache: this request's context is slot `self.slot`."""
+        return self.pool.cache
+
+    def end(self, ids: list[int]) -> None:
+        if self.pool.owns(self, self.slot):
+            self.pool.release(self.slot)
+        self.slot = None
 
     @property
     def _samples(self) -> bool:
@@ -344,12 +351,12 @@ class BlockDrafter(Drafter):
         anchors = torch.tensor([ids[r][-1] for r in rows])
         inputs = torch.cat([model.embed(anchors)[:, None], model.mask_input((len(rows), g - 1))], dim=1)
         positions = torch.stack([torch.arange(len(ids[r]) - 1, len(ids[r]) - 1 + g) for r in rows])
-        cache, starts = _batch_cache([drafters[r] for r in rows], g)
+        cache, slots, starts = _batch_cache([drafters[r] for r in rows], g)
         kernels = first.kernels
         if kernels is not None and kernels.runs(len(rows) * g):
-            h = kernels.backbone(inputs, positions, cache, starts)
+            h = kernels.backbone(inputs, positions, cache, slots, starts)
         else:
-            h = model.backbone(inputs, positions, *_context_and_mask(cache, starts, g))
+            h = model.backbone(inputs, positions, *_context_and_mask(cache, slots, starts, g))
         h = model.prediction_states(h)
 
         drawn_from: dict[int, list[torch.Tensor]] = {r: [] for r in rows}  # q of each sampled draft
@@ -384,27 +391,26 @@ class BlockDrafter(Drafter):
         self.pending.append(features.layer_hidden)
 
 
-def _batch_cache(drafters: list[BlockDrafter], block_size: int) -> tuple[KVCache, list[int]]:
-    """The context caches of several requests as one, slot r holding request r's (a copy, with room for the
-    block after the longest), and their lengths; a single request's own cache."""
+def _batch_cache(drafters: list[BlockDrafter], block_size: int) -> tuple[KVCache, list[int], list[int]]:
+    """The pool holding these requests' contexts (each with room for the block after it), their slots and
+    their lengths."""
+    pool = drafters[0].pool
+    if any(d.pool is not pool for d in drafters):
+        raise SpecDecodeError("requests drafted in one batch must be copies of one drafter (one context pool)")
     lengths = [d.length for d in drafters]
-    if len(drafters) == 1:
-        return drafters[0].cache, lengths
-    keys = drafters[0].cache.keys
-    c = drafters[0].config
-    batch = KVCache(c.num_layers, len(drafters), c.num_kv_heads, c.head_dim, max(lengths) + block_size, keys.dtype,
-                    keys.device)  # fmt: skip
-    for slot, d in enumerate(drafters):
-        batch.keys[:, slot, :, : d.length] = d.cache.keys[:, 0, :, : d.length]
-        batch.values[:, slot, :, : d.length] = d.cache.values[:, 0, :, : d.length]
-    return batch, lengths
+    cache = pool.reserve(max(lengths) + block_size, pool.cache.keys)
+    return cache, [d.slot for d in drafters], lengths
 
 
-def _context_and_mask(cache: KVCache, lengths: list[int], block_size: int):
-    """Every layer's context K/V (R, kvh, longest, d) for the Python backbone, and the attention mask
-    (R, 1, block, longest + block) that hides the padding (None for a single request)."""
+def _context_and_mask(cache: KVCache, slots: list[int], lengths: list[int], block_size: int):
+    """Every layer's context K/V (R, kvh, longest, d) of these slots for the Python backbone, and the attention
+    mask (R, 1, block, longest + block) that hides the padding (None for a single request)."""
     longest = max(lengths)
-    kv = [(cache.keys[layer, :, :, :longest], cache.values[layer, :, :, :longest]) for layer in range(len(cache.keys))]
+    index = torch.tensor(slots)
+    kv = [
+        (keys[index, :, :longest], values[index, :, :longest])
+        for keys, values in zip(cache.keys, cache.values, strict=True)
+    ]
     if len(lengths) == 1:
         return kv, None
     context = torch.arange(longest)[None] < torch.tensor(lengths)[:, None]

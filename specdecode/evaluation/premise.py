@@ -35,7 +35,8 @@ FORCED_KERNELS = ("stock", "onednn", "few-rows")
 BATCH_ROWS = (1, 4, 16, 64)  # requests decoded together, one new token each
 
 
-def _time_pass(target: Target, context: int, k: int, generator: torch.Generator) -> float:
+def time_pass(target: Target, context: int, k: int, generator: torch.Generator) -> float:
+    """Milliseconds of one pass over k random tokens after the first `context` cached ones."""
     target.rollback(context)
     ids = torch.randint(100, target.vocab_size, (k,), generator=generator)
     start = time.perf_counter()
@@ -83,16 +84,16 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
             target.reset()
             target.forward(prefix, logits=False)
             for k in positions:  # warm-up
-                _time_pass(target, context, k, generator)
+                time_pass(target, context, k, generator)
         done = 0
         while done < reps:
             sample = {}
             with ForeignLoad() as load:
                 bandwidth = costmodel.read_bandwidth(probe)
                 for variant, target in targets.items():
-                    _time_pass(target, context, 1, generator)  # untimed: bring this model's weights back in cache
+                    time_pass(target, context, 1, generator)  # untimed: bring this model's weights back in cache
                     for k in positions:
-                        sample[(variant, context, k)] = _time_pass(target, context, k, generator)
+                        sample[(variant, context, k)] = time_pass(target, context, k, generator)
             if load.cores > MAX_FOREIGN_CORES:  # contaminated by another process: measure this rep again
                 time.sleep(0.5)
                 continue

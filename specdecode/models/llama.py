@@ -55,12 +55,17 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
-    def grow(self, capacity: int) -> None:
-        """Reallocate to hold `capacity` entries per slot, keeping what is there (rare: capacity doubles)."""
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[1]
+
+    def grow(self, capacity: int, slots: int | None = None) -> None:
+        """Reallocate to hold `capacity` entries per slot (and `slots` slots), keeping what is there (rare:
+        they double)."""
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
-            new[:, :, :, : old.shape[3]] = old
+            new = old.new_zeros(old.shape[0], slots or old.shape[1], old.shape[2], capacity, old.shape[4])
+            new[:, : old.shape[1], :, : old.shape[3]] = old
             setattr(self, name, new)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: "Rows") -> None:
