@@ -431,10 +431,10 @@ def _int_list(text: str, option: str) -> list[int]:
     return values
 
 
-def _positions(text: str) -> list[int]:
-    values = _int_list(text, "positions")
+def _positions(text: str, option: str = "positions") -> list[int]:
+    values = _int_list(text, option)
     if min(values) < 1:
-        raise SpecDecodeError(f"positions must be integers >= 1, got '{text}'")
+        raise SpecDecodeError(f"{option} must be integers >= 1, got '{text}'")
     return values
 
 
@@ -556,7 +556,8 @@ def cmd_bench(args) -> None:
     if args.bench == "premise":
         from specdecode.evaluation.premise import run_premise
 
-        run_premise(args.target, _positions(args.positions), _positions(args.contexts), args.reps, args.out)
+        positions, contexts = _positions(args.positions, "--positions"), _positions(args.contexts, "--contexts")
+        run_premise(args.target, positions, contexts, args.reps, args.out)
     elif args.bench == "hybrid":
         from specdecode.evaluation.hybrid_bench import run_hybrid_bench
 
@@ -568,8 +569,8 @@ def cmd_bench(args) -> None:
         run_drafting_bench(
             _load_target(args),
             args.drafter,
-            _positions(args.requests),
-            _positions(args.contexts),
+            _positions(args.requests, "--requests"),
+            _positions(args.contexts, "--contexts"),
             args.draft_length,
             args.repeats,
             args.out,
@@ -622,7 +623,7 @@ def cmd_bench(args) -> None:
             args.drafter,
             args.data,
             args.out,
-            tuple(_positions(args.requests)),
+            tuple(_positions(args.requests, "--requests")),
             args.prompts,
             args.temperature,
             args.max_new_tokens,
@@ -634,7 +635,7 @@ def cmd_bench(args) -> None:
         run_serving_bench(
             _load_target(args),
             args.drafter,
-            _positions(args.concurrency),
+            _positions(args.concurrency, "--concurrency"),
             args.requests,
             args.max_tokens,
             args.time_limit,

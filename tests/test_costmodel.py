@@ -162,6 +162,21 @@ def test_premise_runs_end_to_end_on_a_local_model(tmp_path):
         assert low - 1 <= min(probed) and max(probed) <= high + 1 and abs(median - statistics.median(probed)) <= 1
 
 
+def test_premise_refuses_contexts_past_the_targets_window(tmp_path):
+    """One clear error before the variants load and minutes of prefill, not a pass past the window."""
+    from specdecode.evaluation.premise import run_premise
+    from tests.conftest import tiny_llama, tiny_tokenizer
+
+    folder = tmp_path / "tiny"
+    model = tiny_llama(vocab_size=160)
+    model.save_pretrained(folder)
+    tiny_tokenizer(160).save_pretrained(folder)
+    window = model.config.max_position_embeddings
+    with pytest.raises(SpecDecodeError, match=f"context {window} plus 2 positions passes .* {window} tokens"):
+        run_premise(str(folder), positions=[1, 2], contexts=[6, window], reps=1, out_dir=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
 # ---- parameter counts --------------------------------------------------------------------------------
 
 

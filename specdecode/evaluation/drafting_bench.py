@@ -19,7 +19,7 @@ import torch
 from specdecode.drafters import build_drafter
 from specdecode.drafters.base import TargetFeatures, in_second_round
 from specdecode.errors import SpecDecodeError
-from specdecode.evaluation.premise import paired_ratio, time_pass
+from specdecode.evaluation.premise import check_contexts, paired_ratio, time_pass
 from specdecode.evaluation.results import write_results
 from specdecode.machine import ForeignLoad
 from specdecode.models.target import Target
@@ -39,6 +39,7 @@ def run_drafting_bench(
 ) -> dict:
     if draft_length < 1 or repeats < 1:
         raise SpecDecodeError(f"--draft-length and --repeats must be >= 1, got {draft_length} and {repeats}")
+    check_contexts(target, contexts, 1)
     drafter = build_drafter(drafter_spec, target).costliest()
     drafter.check_target(target)
     target.set_capture_layers(drafter.target_layer_ids)

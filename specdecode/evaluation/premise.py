@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from specdecode import costmodel
+from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.results import write_results
 from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad
 from specdecode.models.target import Target, other_dtype
@@ -44,6 +45,16 @@ def time_pass(target: Target, context: int, k: int, generator: torch.Generator) 
     return (time.perf_counter() - start) * 1000
 
 
+def check_contexts(target: Target, contexts: list[int], room: int) -> None:
+    """Refuse contexts that leave no `room` positions in the target's context window (one clear error before
+    minutes of loading and prefilling)."""
+    if max(contexts) + room > target.max_context:
+        raise SpecDecodeError(
+            f"context {max(contexts)} plus {room} positions passes {target.name}'s context of {target.max_context} "
+            "tokens: choose smaller --contexts"
+        )
+
+
 def paired_ratio(times_ms: list[float], base_ms: list[float]) -> float:
     """The median over repetitions of t(k) / t(1) measured back to back in the same repetition: t(1) reads the
     weights and follows the machine's memory state, t(8) and up are bound by the products and barely do, so a
@@ -58,8 +69,8 @@ def paired_roofline_ratio(times_ms: list[float], read_bytes_per_s: list[float], 
     return statistics.median(ms * b / (bytes_read * 1e3) for ms, b in zip(times_ms, read_bytes_per_s, strict=True))
 
 
-def load_variants(target_name: str) -> dict[str, Target]:
-    default = Target.load(target_name)
+def load_variants(default: Target, target_name: str) -> dict[str, Target]:
+    """The runner as loaded by default, beside the HF path, each forced kernel and the other dtype."""
     other = other_dtype(default.dtype)
     variants = {"hf": Target.load(target_name, dtype=torch.float32, runner=False)}
     for kernel in FORCED_KERNELS:
@@ -70,8 +81,9 @@ def load_variants(target_name: str) -> dict[str, Target]:
 
 
 def run_premise(target_name: str, positions: list[int], contexts: list[int], reps: int, out_dir: str) -> dict:
-    targets = load_variants(target_name)
-    default = targets["runner-auto"]
+    default = Target.load(target_name)
+    check_contexts(default, contexts, max(positions))
+    targets = load_variants(default, target_name)
     generator = torch.Generator().manual_seed(0)
     times: dict[tuple[str, int, int], list[float]] = {}
     probe = costmodel.read_probe_buffer()
