@@ -79,6 +79,8 @@ VALIDATION_CASES = [
     (["train", "--drafter", "dspark", "--data", "d", "--out", "o", "--max-conversations", "0"], "max-conversations"),
     (["data", "self-prompts", "--out", "o", "--attempts", "0"], "attempts"),
     (["data", "self-prompts", "--out", "o", "--top-p", "0"], "top_p"),
+    (["bench", "drafting", "--requests", "0,2"], "--requests must be integers >= 1"),
+    (["bench", "drafting", "--contexts", "99999", "--out", "o"], "passes smollm2-135m's context of 8192"),
 ]
 
 
