@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from specdecode.drafters import context_pool
 from specdecode.drafters.base import Drafter, TargetFeatures
 from specdecode.drafters.checkpoint import load_drafter, save_drafter
-from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel, _batch_cache, _context_and_mask
+from specdecode.drafters.dspark import BlockDrafter, DSparkConfig, DSparkModel, _context_and_mask, _pool_slots
 from specdecode.drafters.layers import freeze_norms
 from specdecode.drafters.vocab import draft_index
 from specdecode.engine.decode import SpeculativeDecoder
@@ -328,7 +328,7 @@ def test_the_cpp_kernels_draft_what_the_python_path_drafts(qk_norm, kernel, mark
     model, g = drafter.model, drafter.config.block_size
     inputs = torch.randn(3, g, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     positions = torch.stack([torch.arange(len(s) - 1, len(s) - 1 + g) for s in committed])
-    cache, slots, starts = _batch_cache(looped, g)
+    cache, slots, starts = _pool_slots(looped, g)
     if kernel != "few-rows":  # the Python backbone ran, on the library kernel; the context K/V are checked
         return
     with torch.inference_mode():

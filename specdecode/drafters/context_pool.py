@@ -2,8 +2,8 @@
 
 Why: a batched drafting round runs the C++ layer loop over the requests' contexts, which reads each row's
 keys and values from the slot the row names. With a cache per request, each round first copied every
-request's context into a fresh batch cache: 0.3 ms of a 4.8 ms round at 4 requests of 300 tokens, 6 ms of
-23 at 16 requests of 600 (shipped DSpark, Zen 4 EPYC, 2 cores). In one pool the round reads them in place.
+request's context into a fresh batch cache: a round for 16 requests of 512 tokens took 26-30 ms, and takes
+15-16 with the pool, which the round reads in place (shipped DSpark, Zen 4 EPYC, 2 cores; docs/runner.md).
 
 A slot belongs to the drafter copy that took it (`acquire` in `begin`) until `release` (the request's
 `end`); a copy that is dropped without ending (an aborted decode) frees its slot with it: the pool holds

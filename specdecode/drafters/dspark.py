@@ -351,7 +351,7 @@ class BlockDrafter(Drafter):
         anchors = torch.tensor([ids[r][-1] for r in rows])
         inputs = torch.cat([model.embed(anchors)[:, None], model.mask_input((len(rows), g - 1))], dim=1)
         positions = torch.stack([torch.arange(len(ids[r]) - 1, len(ids[r]) - 1 + g) for r in rows])
-        cache, slots, starts = _batch_cache([drafters[r] for r in rows], g)
+        cache, slots, starts = _pool_slots([drafters[r] for r in rows], g)
         kernels = first.kernels
         if kernels is not None and kernels.runs(len(rows) * g):
             h = kernels.backbone(inputs, positions, cache, slots, starts)
@@ -391,7 +391,7 @@ class BlockDrafter(Drafter):
         self.pending.append(features.layer_hidden)
 
 
-def _batch_cache(drafters: list[BlockDrafter], block_size: int) -> tuple[KVCache, list[int], list[int]]:
+def _pool_slots(drafters: list[BlockDrafter], block_size: int) -> tuple[KVCache, list[int], list[int]]:
     """The pool holding these requests' contexts (each with room for the block after it), their slots and
     their lengths."""
     pool = drafters[0].pool
