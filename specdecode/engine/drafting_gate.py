@@ -128,7 +128,8 @@ def profile_drafting(
             out = target.forward(torch.tensor(ids[:-1]), logits=False)
             target.reset()
             features.append(TargetFeatures(out.layer_hidden, out.last_hidden))
-        states[:] = [in_second_round(drafter, ids, features[0], draft_length, next(seeds)) for _ in range(requests)]
+        states.clear()  # the last size's copies give their context slots back first
+        states.extend(in_second_round(drafter, ids, features[0], draft_length, next(seeds)) for _ in range(requests))
         target.forward(torch.tensor(ids[:1]))  # a verify pass comes before each drafting call and takes the caches
         target.reset()
 
