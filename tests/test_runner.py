@@ -57,6 +57,18 @@ def assert_same(a, b) -> None:
     torch.testing.assert_close(a.last_hidden, b.last_hidden, atol=ATOL, rtol=RTOL)
 
 
+def test_end_tokens_leave_the_generation_config_as_it_is():
+    """A generation config may list several end tokens (Qwen2.5's does): the target's set adds the tokenizer's
+    own, and asking for it, as the engines do for every new token, never grows the config's list."""
+    model = tiny_llama(vocab_size=24)
+    model.generation_config.eos_token_id = [5, 7]
+    target = Target(model, tiny_tokenizer(24), name="tiny")
+    assert target.eos_token_ids == {5, 7, target.tokenizer.eos_token_id}
+    for _ in range(3):
+        assert target.eos_token_ids == {5, 7, 0}
+    assert model.generation_config.eos_token_id == [5, 7]
+
+
 def test_the_default_target_runs_on_the_runner(smollm2):
     assert smollm2.runner is not None and smollm2.kernel == "auto"
     assert unsupported_reason(smollm2.config) is None

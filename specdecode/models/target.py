@@ -9,6 +9,7 @@ cannot be captured (HF's tuple holds it after the final norm), and the final-nor
 separately as `last_hidden`.
 """
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -134,13 +135,12 @@ class Target:
     def max_context(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
-    @property
-    def eos_token_ids(self) -> set[int]:
+    @functools.cached_property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The generation config's end tokens and the tokenizer's (engines test every new token against them)."""
         ids = self.model.generation_config.eos_token_id
-        ids = ids if isinstance(ids, list) else [ids]
-        if self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        return {i for i in ids if i is not None}
+        ids = list(ids) if isinstance(ids, list) else [ids]  # a copy: the config's own list stays as it is
+        return frozenset(i for i in [*ids, self.tokenizer.eos_token_id] if i is not None)
 
     def fingerprint(self) -> str:
         """Hash of the shapes that matter and of the embedding matrix: drafters record it to refuse a mismatch.
