@@ -175,7 +175,7 @@ def test_requests_share_one_context_pool_and_give_back_their_slots(monkeypatch, 
         return d.propose(ids[r, :n].tolist(), 4).tokens.tolist()
 
     a = begun(prototype, 0, 5)
-    assert a.propose(ids[0, :5].tolist(), 4).tokens.tolist() == alone(0, 5) and a.cache.slots == 1
+    assert a.propose(ids[0, :5].tolist(), 4).tokens.tolist() == alone(0, 5) and a.pool.cache.slots == 1
     b, c = begun(prototype, 1, 12), begun(prototype, 2, 9)
     a.observe(ids[0, :7].tolist(), 1, TargetFeatures(outs[0].layer_hidden[4:6], None))
     got = BlockDrafter.propose_batch(
@@ -184,8 +184,8 @@ def test_requests_share_one_context_pool_and_give_back_their_slots(monkeypatch, 
     assert [p.tokens.tolist() for p in got] == [alone(0, 7), alone(1, 12), alone(2, 9)]
     assert (
         [a.slot, b.slot, c.slot] == [0, 1, 2]
-        and a.cache.slots == 3
-        and a.cache.capacity >= b.length + b.config.block_size > 8
+        and a.pool.cache.slots == 3
+        and a.pool.cache.capacity >= b.length + b.config.block_size > 8
     )
     a.end(ids[0].tolist())
     d = begun(prototype, 0, 5)
@@ -243,8 +243,8 @@ def test_features_left_pending_by_rounds_without_drafting_give_the_same_context(
             whole = model.context_kv(model.context(out.layer_hidden[None, :13]), torch.arange(13)[None])
         for layer, (wk, wv) in enumerate(whole):
             for r in (d, e):
-                torch.testing.assert_close(r.cache.keys[layer, r.slot : r.slot + 1, :, :13], wk)
-                torch.testing.assert_close(r.cache.values[layer, r.slot : r.slot + 1, :, :13], wv)
+                torch.testing.assert_close(r.pool.cache.keys[layer, r.slot : r.slot + 1, :, :13], wk)
+                torch.testing.assert_close(r.pool.cache.values[layer, r.slot : r.slot + 1, :, :13], wv)
 
 
 @pytest.mark.parametrize(
@@ -323,12 +323,12 @@ def test_the_cpp_kernels_draft_what_the_python_path_drafts(qk_norm, kernel, mark
             torch.testing.assert_close(a.confidences, b.confidences, rtol=1e-4, atol=1e-5)
     for a, b in zip(looped, python, strict=True):  # the context K/V: one fused product and the C++ norm, rotation
         for name in ("keys", "values"):
-            got, want = (getattr(d.cache, name)[:, d.slot, :, : d.length] for d in (a, b))
+            got, want = (getattr(d.pool.cache, name)[:, d.slot, :, : d.length] for d in (a, b))
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     model, g = drafter.model, drafter.config.block_size
     inputs = torch.randn(3, g, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     positions = torch.stack([torch.arange(len(s) - 1, len(s) - 1 + g) for s in committed])
-    cache, slots, starts = _pool_slots(looped, g)
+    cache, slots, starts = _pool_slots(looped)
     if kernel != "few-rows":  # the Python backbone ran, on the library kernel; the context K/V are checked
         return
     with torch.inference_mode():

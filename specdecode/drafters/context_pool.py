@@ -51,8 +51,10 @@ class ContextPool:
                 self.layers, slots, self.kv_heads, self.head_dim, max(entries, MIN_CAPACITY), like.dtype, like.device
             )
         elif entries > self.cache.capacity or slots > self.cache.slots:
-            self.cache.grow(
-                max(entries, 2 * self.cache.capacity) if entries > self.cache.capacity else self.cache.capacity,
-                max(slots, 2 * self.cache.slots) if slots > self.cache.slots else self.cache.slots,
-            )
+            self.cache.grow(_doubled(entries, self.cache.capacity), _doubled(slots, self.cache.slots))
         return self.cache
+
+
+def _doubled(needed: int, have: int) -> int:
+    """What a dimension grows to: at least twice what it has, once it has too little."""
+    return max(needed, 2 * have) if needed > have else have

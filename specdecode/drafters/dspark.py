@@ -315,11 +315,6 @@ class BlockDrafter(Drafter):
             d.pending = []
             first += len(r)
 
-    @property
-    def cache(self) -> KVCache | None:
-        """The pool's cache: this request's context is slot `self.slot`."""
-        return self.pool.cache
-
     def end(self, ids: list[int]) -> None:
         if self.pool.owns(self, self.slot):
             self.pool.release(self.slot)
@@ -351,7 +346,7 @@ class BlockDrafter(Drafter):
         anchors = torch.tensor([ids[r][-1] for r in rows])
         inputs = torch.cat([model.embed(anchors)[:, None], model.mask_input((len(rows), g - 1))], dim=1)
         positions = torch.stack([torch.arange(len(ids[r]) - 1, len(ids[r]) - 1 + g) for r in rows])
-        cache, slots, starts = _pool_slots([drafters[r] for r in rows], g)
+        cache, slots, starts = _pool_slots([drafters[r] for r in rows])
         kernels = first.kernels
         if kernels is not None and kernels.runs(len(rows) * g):
             h = kernels.backbone(inputs, positions, cache, slots, starts)
@@ -391,15 +386,13 @@ class BlockDrafter(Drafter):
         self.pending.append(features.layer_hidden)
 
 
-def _pool_slots(drafters: list[BlockDrafter], block_size: int) -> tuple[KVCache, list[int], list[int]]:
-    """The pool holding these requests' contexts (each with room for the block after it), their slots and
-    their lengths."""
+def _pool_slots(drafters: list[BlockDrafter]) -> tuple[KVCache, list[int], list[int]]:
+    """The pool's cache holding these requests' contexts, their slots and their lengths. Each has room for the
+    block after it: `_project_pending` reserved it when it last set the request's length."""
     pool = drafters[0].pool
     if any(d.pool is not pool for d in drafters):
         raise SpecDecodeError("requests drafted in one batch must be copies of one drafter (one context pool)")
-    lengths = [d.length for d in drafters]
-    cache = pool.reserve(max(lengths) + block_size, pool.cache.keys)
-    return cache, [d.slot for d in drafters], lengths
+    return pool.cache, [d.slot for d in drafters], [d.length for d in drafters]
 
 
 def _context_and_mask(cache: KVCache, slots: list[int], lengths: list[int], block_size: int):
