@@ -1,8 +1,10 @@
-"""The drafting gate's tries side by side through the server: one request a try (the shipped gate: the one that
-drafted least) against every running request at once (the rule before stop 50), with normal decoding, each
-configuration at each concurrency level in turn (`specdecode bench serving`'s sweeps, in one process).
+"""The drafting gate's tries side by side through the server: one request a try (`one`, the shipped gate: the one
+that drafted least) against every running request at once (`all`, the rule before stop 50) or no tries at all
+(`never`: not a product choice, its yield estimates would never change; it bounds what tries cost), with normal
+decoding, each configuration at each concurrency level in turn (`specdecode bench serving`'s sweeps, one process).
 
     python tools/gate_tries_ab.py --concurrency 4,16 --repeats 4 --name gate_tries_ab
+    python tools/gate_tries_ab.py --rules one,never --concurrency 16 --repeats 5 --name gate_no_tries_ab
 """
 
 import argparse
@@ -17,8 +19,11 @@ shipped_init = continuous.ContinuousEngine.__init__
 
 
 def choose(gate: drafting_gate.DraftingGate, yields: list) -> list[bool]:
-    """Every request drafts in a due try where the engine's drafter asks for it; otherwise the shipped choice."""
-    if getattr(gate, "try_all", False) and yields and gate.exploration.due():
+    """The shipped choice under the rule the engine's drafter names for a due try."""
+    rule = getattr(gate, "tries", "one")
+    if rule == "never":
+        gate.exploration.without = 0  # never due
+    elif rule == "all" and yields and gate.exploration.due():
         gate.exploring = True
         return [True] * len(yields)
     return shipped_choose(gate, yields)
@@ -27,22 +32,25 @@ def choose(gate: drafting_gate.DraftingGate, yields: list) -> list[bool]:
 def engine_init(engine: continuous.ContinuousEngine, target, drafter, config, *args, **kwargs) -> None:
     shipped_init(engine, target, drafter, config, *args, **kwargs)
     if engine.gate is not None:
-        engine.gate.try_all = getattr(drafter, "try_all", False)
+        engine.gate.tries = getattr(drafter, "tries", "one")
 
 
-def configurations(target: Target, spec: str) -> list:
-    every, one = build_drafter(spec, target), build_drafter(spec, target)
-    every.try_all = True
-    return [
-        ("none", Drafter(), "fixed", False),
-        ("prefix-all", every, "prefix", True),
-        ("prefix-one", one, "prefix", True),
-    ]
+def configurations_for(rules: list[str]):
+    def configurations(target: Target, spec: str) -> list:
+        configs = [("none", Drafter(), "fixed", False)]
+        for rule in rules:
+            drafter = build_drafter(spec, target)
+            drafter.tries = rule
+            configs.append((f"prefix-{rule}", drafter, "prefix", True))
+        return configs
+
+    return configurations
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", default="default")
+    parser.add_argument("--rules", default="all,one", help="comma-separated: one, all, never")
     parser.add_argument("--concurrency", default="1,4,8,16")
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -52,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     drafting_gate.DraftingGate.choose = choose
     continuous.ContinuousEngine.__init__ = engine_init
-    serving_bench._configurations = configurations
+    serving_bench._configurations = configurations_for(args.rules.split(","))
     serving_bench.run_serving_bench(
         Target.load("smollm2-135m"),
         args.drafter,
