@@ -279,8 +279,10 @@ class BlockDrafter(Drafter):
         self.kernels = BlockKernels.of(model)  # inference on the C++ kernels, where they run (block_kernels.py)
         self.pool = ContextPool(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
         self.slot: int | None = None  # this request's slot of the pool (a copy takes its own in `begin`)
-        # a request's confidences follow what the target keeps (confidence_shift.py); off to record them as calibrated
+        # the confidences follow what the target keeps (confidence_shift.py), one shift for greedy requests and one
+        # for sampled ones (each has its own map), shared by every request's copy; off to record them as calibrated
         self.adapt_confidences = True
+        self.shifts = {True: ConfidenceShift(), False: ConfidenceShift()}
 
     @property
     def has_confidences(self) -> bool:
@@ -292,7 +294,7 @@ class BlockDrafter(Drafter):
             self.slot = self.pool.acquire(self)
         self.length = 0  # the slot's context entries 0 .. length - 1 hold every layer's keys and values
         self.pending: list[torch.Tensor] = [] if features is None else [features.layer_hidden]
-        self.shift = ConfidenceShift()
+        self.shift = self.shifts[params.greedy]
         self.round: tuple[list[float], int] | None = None  # this round's confidences as calibrated, drafts verified
 
     @classmethod
