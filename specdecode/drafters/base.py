@@ -182,6 +182,5 @@ def in_second_round(
     prompt = ids[:-3]
     state.begin(prompt, SamplingParams(), torch.Generator().manual_seed(seed), rows(slice(-3)))
     state.propose(prompt, draft_length)
-    state.scheduled(0)  # nothing learned from a round nobody verified (drafters/confidence_shift.py)
     state.observe(ids, 2, rows(slice(-3, None)))
     return state

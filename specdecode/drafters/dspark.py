@@ -29,7 +29,6 @@ from torch import nn
 
 from specdecode.drafters.base import EMPTY_PROPOSAL, Drafter, Proposal, TargetFeatures
 from specdecode.drafters.block_kernels import BlockKernels
-from specdecode.drafters.confidence_shift import ConfidenceShift
 from specdecode.drafters.context_pool import ContextPool
 from specdecode.drafters.layers import DecoderBlock, Rotary
 from specdecode.drafters.vocab import draft_ids_of, maps_agree, vocab_maps
@@ -279,10 +278,6 @@ class BlockDrafter(Drafter):
         self.kernels = BlockKernels.of(model)  # inference on the C++ kernels, where they run (block_kernels.py)
         self.pool = ContextPool(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
         self.slot: int | None = None  # this request's slot of the pool (a copy takes its own in `begin`)
-        # the confidences follow what the target keeps (confidence_shift.py), one shift for greedy requests and one
-        # for sampled ones (each has its own map), shared by every request's copy; off to record them as calibrated
-        self.adapt_confidences = True
-        self.shifts = {True: ConfidenceShift(), False: ConfidenceShift()}
 
     @property
     def has_confidences(self) -> bool:
@@ -294,8 +289,6 @@ class BlockDrafter(Drafter):
             self.slot = self.pool.acquire(self)
         self.length = 0  # the slot's context entries 0 .. length - 1 hold every layer's keys and values
         self.pending: list[torch.Tensor] = [] if features is None else [features.layer_hidden]
-        self.shift = self.shifts[params.greedy]
-        self.round: tuple[list[float], int] | None = None  # this round's confidences as calibrated, drafts verified
 
     @classmethod
     @torch.inference_mode()
@@ -383,24 +376,14 @@ class BlockDrafter(Drafter):
         for i, r in enumerate(rows):
             d, n = drafters[r], max_tokens[r]
             confidences = None if conf is None else calibrated_confidence(conf[i, :n], *c.calibration(d.params.greedy))
-            if confidences is not None:
-                d.round = (confidences.tolist(), n)
-                confidences = d.shift.apply(confidences)
             probs = sampled[r][:n] if d._samples else None
             proposals[r] = Proposal(
                 tokens=tokens[i, :n], probs=probs, confidences=confidences, support=None if probs is None else support
             )
         return proposals
 
-    def scheduled(self, drafts: int) -> None:
-        if self.round is not None:
-            self.round = (self.round[0], drafts)
-
     def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
         self.pending.append(features.layer_hidden)
-        if self.round is not None and self.adapt_confidences:
-            self.shift.learn(*self.round, num_accepted)
-        self.round = None
 
 
 def _pool_slots(drafters: list[BlockDrafter]) -> tuple[KVCache, list[int], list[int]]:

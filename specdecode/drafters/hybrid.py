@@ -218,8 +218,6 @@ class HybridDrafter(Drafter):
 
     def scheduled(self, drafts: int) -> None:
         self.model_verified = drafts
-        if self.model_pending is not None:  # the model's proposal is the one verified
-            self.model.scheduled(drafts)
 
     def observe(self, ids: list[int], num_accepted: int, features: TargetFeatures | None) -> None:
         self.model.observe(ids, num_accepted, features)

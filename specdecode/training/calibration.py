@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
-from specdecode.drafters.dspark import BlockDrafter, calibrated_confidence
+from specdecode.drafters.dspark import calibrated_confidence
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams
 
@@ -54,8 +54,6 @@ class RoundRecorder(Drafter):
 
     def __init__(self, inner: Drafter, gamma: int) -> None:
         self.inner, self.gamma = inner, gamma
-        if isinstance(inner, BlockDrafter):  # record its confidences as computed, not as a request shifted them
-            inner.adapt_confidences = False
         self.name, self.target_layer_ids = inner.name, inner.target_layer_ids
         # plain floats, not a small tensor per round: thousands of long-lived small allocations between a
         # pass's large transient ones fragmented the heap (at the 421st of 600 prompts: 23 GB resident)
