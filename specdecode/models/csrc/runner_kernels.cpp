@@ -202,9 +202,10 @@ static inline vf half_splat(uint16_t bits) {
 }
 
 // Weights part * kLanes .. part * kLanes + kLanes - 1 of a block, from its d and m (Q4_1) as float32 vectors.
+// d * q + m in one fused multiply-add: d * q is exact, so rounding once is what rounding twice gives.
 static inline vf block_weights(const Q4_1& block, int part, vf d, vf m) {
   const i32v q = (widen_bytes(block.q + part * kLanes % 16) >> (part * kLanes / 16 * 4)) & 15;
-  return d * __builtin_convertvector(q, vf) + m;
+  return fma_v(d, __builtin_convertvector(q, vf), m);
 }
 
 static inline vf block_weights(const Q8_0& block, int part, vf d, vf) {
