@@ -38,7 +38,7 @@ for context in contexts:
             if rep >= 3:
                 times[k].append(ms)
     out[str(context)] = {str(k): statistics.median(v) for k, v in times.items()}
-print(json.dumps({"dtype": str(target.dtype), "ms": out}))
+print(json.dumps(out))
 """
 
 
@@ -66,9 +66,9 @@ def main() -> None:
     medians = {label: [] for label in packages}
     for p in range(args.processes):
         for label in packages if p % 2 == 0 else reversed(packages):
-            result = run(packages[label], contexts, positions, args.reps)
-            medians[label].append(result["ms"])
-            print(f"[pass_ab] {label} process {p}: {result['ms']}", flush=True)
+            ms = run(packages[label], contexts, positions, args.reps)
+            medians[label].append(ms)
+            print(f"[pass_ab] {label} process {p}: {ms}", flush=True)
     runs, lines = [], ["| context | k | checkout ms | this tree ms | ratio |", "|---:|---:|---:|---:|---:|"]
     for context in contexts:
         for k in positions:
