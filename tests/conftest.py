@@ -7,6 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models import registry
+from specdecode.models.linear import EIGHT_BIT_INPUTS
 from specdecode.models.target import Target
 
 
@@ -18,10 +19,29 @@ def smollm2() -> Target:
 
 @pytest.fixture(scope="session")
 def smollm2_fp32(smollm2) -> Target:
-    """The default target in float32 (the same instance where the machine chose float32), for comparisons
-    that hold two computations to float32 rounding: with the HF forward, or a tree pass against a causal one
-    (in bfloat16 every linear rounds its rows, and an ulp of difference grows over 30 layers)."""
-    return smollm2 if smollm2.dtype == torch.float32 else Target.load("smollm2-135m", dtype=torch.float32)
+    """The default target in float32 with float32 inputs to every linear (the same instance where the machine
+    chose that), for comparisons that hold two computations to float32 rounding: with the HF forward, or a tree
+    pass against a causal one (where the linears round their rows, to bfloat16 or to 8 bits, an ulp of
+    difference grows over 30 layers)."""
+    if smollm2.dtype == torch.float32 and not smollm2.rounds_inputs:
+        return smollm2
+    target = Target.load("smollm2-135m", dtype=torch.float32)
+    if target.runner is not None:
+        keep_float_inputs(target)
+    return target
+
+
+def keep_float_inputs(target: Target) -> None:
+    """Every linear of `target` on the fastest kernel of float32 inputs its plan timed at each row count
+    (`few-rows-gguf` where the 8-bit-input kernel was forced and nothing was timed)."""
+    timings = target.runner.kernel_plan["timings"]
+    for lin in target.runner.linears():
+        for bucket, kernel in lin.plan.items():
+            if kernel == EIGHT_BIT_INPUTS:
+                timed = {k: ms for k, ms in timings.get(bucket, timings.get(str(bucket), {})).items() if k != kernel}
+                lin.plan[bucket] = min(timed, key=timed.get) if timed else "few-rows-gguf"
+                if lin.plan[bucket] == "onednn":
+                    lin.pack_onednn()
 
 
 @pytest.fixture(scope="session")

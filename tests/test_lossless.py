@@ -61,13 +61,18 @@ def test_greedy_speculative_equals_normal_greedy(smollm2, greedy_references, dra
 
 
 def exact_two_token_distribution(target, prompt_ids, params) -> dict:
-    """P(x1, x2) of normal sampling, from one batched pass over every possible first token."""
-    with torch.inference_mode():
-        logits = target.model(torch.tensor([prompt_ids])).logits[0, -1]
-        p1 = probabilities(logits, params)
-        support = torch.nonzero(p1).flatten()
-        batch = torch.cat([torch.tensor([prompt_ids]).expand(len(support), -1), support[:, None]], dim=1)
-        p2 = probabilities(target.model(batch).logits[:, -1], params)
+    """P(x1, x2) of normal sampling, from the target's own passes as normal decoding runs them (a prefill, then
+    one-token steps: its kernels, which may round the linears' inputs where the HF forward does not), every
+    possible first token one step after the prompt."""
+    target.reset()
+    target.forward(torch.tensor(prompt_ids[:-1]), logits=False)
+    p1 = probabilities(target.forward(torch.tensor(prompt_ids[-1:])).logits[-1], params)
+    support = torch.nonzero(p1).flatten()
+    p2 = []
+    for x1 in support.tolist():
+        p2.append(probabilities(target.forward(torch.tensor([x1])).logits[-1], params))
+        target.rollback(len(prompt_ids))
+    p2 = torch.stack(p2)
     eos = target.eos_token_ids
     exact = {}
     for row, x1 in enumerate(support.tolist()):

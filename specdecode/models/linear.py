@@ -12,6 +12,9 @@ Candidates:
 - `onednn`: `torch.ops.mkldnn` with the weight prepacked once (float32 and bfloat16 on x86).
 - `few-rows`: specdecode's C++ kernel (`csrc/runner_kernels.cpp`, built on first use with the machine's compiler),
   float32 rows against float32 or bfloat16 weights; its outputs do not depend on how many rows share a pass.
+  `few-rows-gguf` reads a float32 target's GGUF rows instead (the same bits); `few-rows-q8` multiplies its Q4_1
+  rows by the inputs rounded to 8 bits, as llama.cpp does (`csrc/q8_rows.cpp`): other bits, so an exact plan
+  takes it for all of its exact buckets or for none, as their summed times decide.
   Where the CPU multiplies bfloat16 natively, bfloat16 weights are read as panels (`pack_panels`): a verify
   pass of 8 rows then costs about what one row costs (the weights stream once, every load serves all rows).
 
@@ -37,11 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad
+from specdecode.models.gguf_rows import interleave_q4_1
 from specdecode.paths import cache_dir
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a pass with M rows uses the plan of the smallest bucket >= M
 FEW_ROWS_MAX = 16
-KERNELS = ("auto", "stock", "onednn", "few-rows", "few-rows-gguf")
+KERNELS = ("auto", "stock", "onednn", "few-rows", "few-rows-gguf", "few-rows-q8")
+EIGHT_BIT_INPUTS = "few-rows-q8"  # computes other bits than the float32 kernels (see `candidates`)
 
 
 @functools.cache
@@ -162,6 +167,7 @@ class Linear:
         self.plan: dict[int, str] = {}  # row bucket -> kernel; missing buckets use stock
         self._packed: torch.Tensor | None = None
         self._panels: torch.Tensor | None = None
+        self._interleaved: torch.Tensor | None = None
 
     @property
     def kernel_weight(self) -> torch.Tensor:
@@ -173,7 +179,14 @@ class Linear:
 
     def few_rows_weight(self, kernel: str) -> torch.Tensor:
         """What the few-rows kernel reads under `kernel`: with `few-rows-gguf`, the GGUF rows where this linear has
-        them (the same bits as its float32 weight, a fifth to a quarter of the bytes)."""
+        them (the same bits as its float32 weight, a fifth to a quarter of the bytes); with `few-rows-q8`, its Q4_1
+        rows interleaved for 8-bit inputs (interleaved once, on first use), else its GGUF rows all the same (a
+        Q8_0 head keeps float32 inputs)."""
+        if kernel == EIGHT_BIT_INPUTS and self.blocks is not None:
+            if self._interleaved is None:
+                interleaved = interleave_q4_1(self.blocks, self.weight.shape[1])
+                self._interleaved = self.blocks if interleaved is None else interleaved
+            return self._interleaved
         return self.blocks if kernel == "few-rows-gguf" and self.blocks is not None else self.kernel_weight
 
     def kernel_for(self, rows: int) -> str:
@@ -284,10 +297,14 @@ def candidates(dtype: torch.dtype, rows: int, exact: bool = False, quantized: bo
     and at every row count where bfloat16 weights run as panels (then a prefill or a batch of requests computes
     each row as one request alone would: mixing kernels across buckets moved bfloat16 logits by up to 0.5).
     With `quantized` (float32 linears that also have their GGUF rows) the kernel over those rows too: it
-    computes the same bits as over the float32 weights, so it stays a candidate of an exact plan."""
+    computes the same bits as over the float32 weights, so it stays a candidate of an exact plan; and where the
+    CPU has AVX2, the kernel over 8-bit inputs (its own bits: `plan_kernels` never mixes it with the others
+    among an exact plan's buckets)."""
     if dtype in (torch.float32, torch.bfloat16) and cpu_kernels_available():
         panels = dtype == torch.bfloat16 and torch.ops.specdecode.bfloat16_panels()
-        few_rows = ["few-rows", "few-rows-gguf"] if quantized and dtype == torch.float32 else ["few-rows"]
+        few_rows = ["few-rows"]
+        if quantized and dtype == torch.float32:
+            few_rows += ["few-rows-gguf"] + ([EIGHT_BIT_INPUTS] if torch.ops.specdecode.q8_rows_available() else [])
         if exact and (rows <= FEW_ROWS_MAX or panels):
             return few_rows
         return ["stock", *_library_kernels(dtype), *few_rows]
@@ -319,6 +336,22 @@ def _time_sweeps(linears: list[Linear], kernels: list[str], rows: int, reps: int
     return {k: round(min(t) * 1000, 3) for k, t in times.items()}
 
 
+def same_bits_where_exact(timings: dict[int, dict[str, float]]) -> dict[int, str]:
+    """An exact plan's buckets up to `FEW_ROWS_MAX` must compute the same bits per row, so the 8-bit-input kernel
+    takes all of them or none: the fastest kernel of each bucket among the family whose summed best times are
+    the smaller."""
+    exact = [b for b in timings if b <= FEW_ROWS_MAX]
+
+    def best(bucket: int, eight_bit: bool) -> str | None:
+        found = {k: ms for k, ms in timings[bucket].items() if (k == EIGHT_BIT_INPUTS) == eight_bit}
+        return min(found, key=found.get) if found else None
+
+    families = [[best(b, eight_bit) for b in exact] for eight_bit in (False, True)]
+    families = [f for f in families if None not in f]
+    chosen = min(families, key=lambda f: sum(timings[b][k] for b, k in zip(exact, f, strict=True)))
+    return dict(zip(exact, chosen, strict=True))
+
+
 def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int = 5, exact: bool = False) -> dict:
     """Give every linear its kernel per row bucket: `kernel` everywhere, or for `auto` the fastest measured
     (cached per machine, model signature and thread count); with `exact`, the few-rows kernel at every bucket
@@ -348,6 +381,8 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
                 for b in ROW_BUCKETS:
                     timings[b] = _time_sweeps(linears, candidates(dtype, b, exact, quantized), b, reps)
             choice = {b: min(t, key=t.get) for b, t in timings.items()}
+            if exact:
+                choice.update(same_bits_where_exact(timings))
             if load.cores <= MAX_FOREIGN_CORES:  # a plan measured beside another job serves this process only
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps({"key": key, "choice": choice, "timings": timings}, indent=1))

@@ -333,7 +333,7 @@ class LlamaRunner:
         plain = all(lin.bias is None for lin in self.linears()) and all(lay.q_norm is None for lay in self.layers)
         self.layer_weights: dict[str, list[torch.Tensor]] = {}  # per few-rows kernel
         if self.fused and plain:
-            for k in ("few-rows", "few-rows-gguf"):
+            for k in ("few-rows", "few-rows-gguf", "few-rows-q8"):
                 self.layer_weights[k] = [w for lay in self.layers for w in lay.loop_weights(k)]
 
     def linears(self) -> list[Linear]:

@@ -21,7 +21,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, PreTrainedT
 from specdecode.errors import SpecDecodeError
 from specdecode.models import registry
 from specdecode.models.gguf_rows import gguf_rows
-from specdecode.models.linear import KERNELS, FrozenLinear, bfloat16_is_faster, cpu_kernels_available
+from specdecode.models.linear import (
+    EIGHT_BIT_INPUTS,
+    KERNELS,
+    FrozenLinear,
+    bfloat16_is_faster,
+    cpu_kernels_available,
+)
 from specdecode.models.llama import KVCache, LlamaRunner, Output, Rows, unsupported_reason
 
 INITIAL_CACHE = 512  # entries of a one-request cache; it doubles when a context outgrows it
@@ -134,6 +140,13 @@ class Target:
     @property
     def max_context(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @property
+    def rounds_inputs(self) -> bool:
+        """Whether the linears of a decoding pass round their inputs (bfloat16 weights, or 8-bit inputs where the
+        plan found them faster): its logits then stand further from the float32 HF forward than float32 rounding."""
+        plans = [lin.plan.values() for lin in self.runner.linears()] if self.runner else []
+        return self.dtype == torch.bfloat16 or any(EIGHT_BIT_INPUTS in plan for plan in plans)
 
     @functools.cached_property
     def eos_token_ids(self) -> frozenset[int]:
@@ -257,8 +270,13 @@ class Target:
         return _first_row(out)
 
     def features(self, input_ids: torch.Tensor) -> PassOutput:
-        """A cache-free pass over a whole sequence (T,) for drafter training; the decoding cache is left alone."""
-        return _first_row(self.run(input_ids.view(1, -1), None, None, logits=False))
+        """A pass over a whole sequence (T,) for drafter training, through a scratch cache as a prefill runs: the
+        same kernels (attention over the cache, each row count's planned linears), so a drafter learns from the
+        very features decoding gives it (a cache-free pass attends through SDPA: where the linears round their
+        inputs, to bfloat16 or 8 bits, its last-bit differences grew to 1.7% of the last hidden state over 30
+        layers). The decoding cache is left alone."""
+        n = input_ids.numel()
+        return _first_row(self.run(input_ids.view(1, -1), self.new_cache(1, n), Rows.chain(0, 0, n), logits=False))
 
     def rollback(self, length: int) -> None:
         """Keep the first `length` cached positions; drop the KV of rejected drafts."""
