@@ -19,7 +19,7 @@ from specdecode.drafters import Drafter, build_drafter
 from specdecode.engine.batch import BatchedTarget
 from specdecode.engine.decode import SpeculativeDecoder, tree_attention
 from specdecode.models import linear as linear_module
-from specdecode.models.gguf_rows import dequantize, interleave_q4_1
+from specdecode.models.gguf_rows import dequantize, interleave
 from specdecode.models.linear import (
     FEW_ROWS_MAX,
     ROW_BUCKETS,
@@ -342,35 +342,35 @@ def test_gguf_rows_compute_the_bits_of_their_float32_weights_at_every_row_count(
 
 def eight_bit_reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """What the 8-bit-input kernel computes, in float64: each input block rounded as llama.cpp's Q8_1 rounds it
-    (d_x = max |x| / 127, q = round(x * 127 / max |x|) to nearest even), then d_w d_x sum(q_w q) + m_w d_x sum(q)."""
+    (d_x = max |x| / 127, q = round(x * 127 / max |x|) to nearest even), then d_w d_x sum(q_w q), plus
+    m_w d_x sum(q) for Q4_1 rows."""
     rows, inputs = x.shape
     xb = x.view(rows, inputs // 32, 32)
-    top = xb.abs().amax(-1, keepdim=True)
-    q = (xb * torch.where(top > 0, 127 / top, 0.0)).round()  # float32 arithmetic, as the kernel's
+    top = xb.abs().amax(-1)
+    q = (xb * torch.where(top > 0, 127 / top, 0.0)[..., None]).round().double()  # float32 products, as the kernel's
     d_x = (top / 127).double()
-    b = blocks.view(blocks.shape[0], inputs // 32, 20)
-    d_w, m_w = (b[..., i : i + 2].contiguous().view(torch.float16).double() for i in (0, 2))
+    b = blocks.view(blocks.shape[0], inputs // 32, -1)
+    d_w = b[..., 0:2].contiguous().view(torch.float16).double()[..., 0]
+    if b.shape[-1] == 34:
+        return torch.einsum("rbk,nbk,nb,rb->rn", q, b[..., 2:].contiguous().view(torch.int8).double(), d_w, d_x)
+    m_w = b[..., 2:4].contiguous().view(torch.float16).double()[..., 0]
     q_w = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1).double()
-    sums = torch.einsum("rbk,nbk->rnb", q.double(), q_w)
-    return (sums * d_w.squeeze(-1)[None] * d_x.squeeze(-1)[:, None]).sum(-1) + (
-        d_x.squeeze(-1) * q.double().sum(-1)
-    ) @ m_w.squeeze(-1).T
+    return torch.einsum("rbk,nbk,nb,rb->rn", q, q_w, d_w, d_x) + (d_x * q.sum(-1)) @ m_w.T
 
 
 @pytest.mark.skipif(
     not cpu_kernels_available() or not torch.ops.specdecode.q8_rows_available(), reason="no AVX2 kernels"
 )
-def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_q4_1_product():
-    """Q4_1 rows interleaved for 8-bit inputs: row r's output is bit-identical alone or beside 1..39 other rows
+@pytest.mark.parametrize(("kind", "group_bytes"), [("Q4_1", 160), ("Q8_0", 272)])
+def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_product(kind, group_bytes):
+    """GGUF rows interleaved for 8-bit inputs: row r's output is bit-identical alone or beside 1..39 other rows
     (tiles of four, of two, single rows) on one thread and on two, it is the Q8_1 product (a float64 reference
     of the same rounding; only the float32 sums of its blocks differ), and within the inputs' rounding of the
-    float32 product. Interleaving only moves bytes: no Q8_0 rows, and no group of fewer than eight rows."""
+    float32 product. Interleaving only moves bytes, and needs whole groups of eight rows."""
     generator = torch.Generator().manual_seed(0)
-    blocks = random_gguf_rows("Q4_1", 304, 192, generator)
-    packed = interleave_q4_1(blocks, 192)
-    assert packed.shape == (38, 6, 160)
-    assert interleave_q4_1(blocks[:300], 192) is None
-    assert interleave_q4_1(random_gguf_rows("Q8_0", 304, 192, generator), 192) is None
+    blocks = random_gguf_rows(kind, 304, 192, generator)
+    packed = interleave(blocks, 192)
+    assert packed.shape == (38, 6, group_bytes) and interleave(blocks[:300], 192) is None
     x = torch.randn(40, 192, generator=generator)
     x[3, 32:64] = 0.0  # a block of zeros: scale 0, no division by it
     threads = torch.get_num_threads()
@@ -386,13 +386,10 @@ def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_q4_1_product
     exact = x @ dequantize(blocks, 192).T
     assert (alone - exact).abs().max() < 0.02 * exact.abs().max()  # inputs rounded to ~0.4% of a block's largest
     assert (alone - exact).abs().max() > 1e-5  # and rounded: not the float32 product
-    with pytest.raises(RuntimeError, match="interleaved Q4_1 groups"):
+    with pytest.raises(RuntimeError, match="interleaved Q4_1 or Q8_0 groups"):
         torch.ops.specdecode.few_rows_linear(x[:, :160], packed)
 
 
-@pytest.mark.skipif(
-    not cpu_kernels_available() or not torch.ops.specdecode.q8_rows_available(), reason="no AVX2 kernels"
-)
 def test_eight_bit_inputs_on_the_default_target_stay_lossless_and_near_float32_inputs(smollm2_fp32):
     """The default target with its Q4_1 linears on 8-bit inputs (forced, whatever this machine would choose):
     speculative decoding at T = 0 gives normal decoding's tokens, and the logits stay near those of float32

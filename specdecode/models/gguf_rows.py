@@ -50,20 +50,29 @@ def dequantize(blocks: torch.Tensor, inputs: int) -> torch.Tensor:
     return (d * q + m).reshape(rows, -1)
 
 
-def interleave_q4_1(blocks: torch.Tensor, inputs: int) -> torch.Tensor | None:
-    """Q4_1 rows (N, inputs / 32 * 20) -> the 8-bit-input kernel's groups (N / 8, inputs / 32, 160) uint8, or None
-    for other rows (Q8_0, N not a multiple of 8). Per group of eight rows and block: four steps of 32 bytes, step
-    s giving row r's weights 8 s + t in the low nibble of byte 4 r + t and 8 s + 4 + t in its high nibble (t < 4),
-    then the eight d, then the eight m (csrc/q8_rows.cpp). The same bytes, reordered: nothing is rounded."""
-    rows = blocks.shape[0]
-    if blocks.shape[1] != inputs // 32 * BLOCK_BYTES["Q4_1"] or rows % 8:
+def interleave(blocks: torch.Tensor, inputs: int) -> torch.Tensor | None:
+    """Q4_1 rows (N, inputs / 32 * 20) or Q8_0 rows (N, inputs / 32 * 34) -> the 8-bit-input kernel's groups of
+    eight rows (N / 8, inputs / 32, 160 or 272) uint8, or None where N is not a multiple of 8. Per group and block,
+    Q4_1: four steps of 32 bytes, step s giving row r's weights 8 s + t in the low nibble of byte 4 r + t and
+    8 s + 4 + t in its high nibble (t < 4), then the eight d, then the eight m; Q8_0: eight steps of 32 bytes, step
+    s giving row r's weights 4 s + t in byte 4 r + t, then the eight d (csrc/q8_rows.cpp). The same bytes,
+    reordered: nothing is rounded."""
+    rows, count = blocks.shape[0], inputs // 32
+    if rows % 8:
         return None
-    b = blocks.view(rows // 8, 8, inputs // 32, BLOCK_BYTES["Q4_1"])  # group, row, block, bytes
-    q = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1).view(rows // 8, 8, inputs // 32, 4, 2, 4)
-    steps = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # group, block, step, row, t
-    scales = [b[..., i : i + 2].permute(0, 2, 1, 3) for i in (0, 2)]  # group, block, row, (d or m) bytes
-    parts = [steps.reshape(rows // 8, inputs // 32, 128), *(x.reshape(rows // 8, inputs // 32, 16) for x in scales)]
-    return torch.cat(parts, dim=-1).contiguous()
+    b = blocks.view(rows // 8, 8, count, -1)  # group, row, block, bytes
+
+    def per_row(part: torch.Tensor, steps: int) -> torch.Tensor:  # (group, row, block, steps, t) -> step-major
+        return part.view(rows // 8, 8, count, steps, 4).permute(0, 2, 3, 1, 4).reshape(rows // 8, count, -1)
+
+    def scales(offset: int) -> torch.Tensor:  # each row's float16 at `offset` of its blocks, the eight in a row
+        return b[..., offset : offset + 2].permute(0, 2, 1, 3).reshape(rows // 8, count, 16)
+
+    if b.shape[-1] == BLOCK_BYTES["Q8_0"]:
+        return torch.cat([per_row(b[..., 2:], 8), scales(0)], dim=-1).contiguous()
+    q = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1).view(rows // 8, 8, count, 4, 2, 4)
+    nibbles = per_row(q[..., 0, :] | (q[..., 1, :] << 4), 4)
+    return torch.cat([nibbles, scales(0), scales(2)], dim=-1).contiguous()
 
 
 def _rebuilds(blocks: torch.Tensor, weight: torch.Tensor) -> bool:

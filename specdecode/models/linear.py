@@ -12,7 +12,7 @@ Candidates:
 - `onednn`: `torch.ops.mkldnn` with the weight prepacked once (float32 and bfloat16 on x86).
 - `few-rows`: specdecode's C++ kernel (`csrc/runner_kernels.cpp`, built on first use with the machine's compiler),
   float32 rows against float32 or bfloat16 weights; its outputs do not depend on how many rows share a pass.
-  `few-rows-gguf` reads a float32 target's GGUF rows instead (the same bits); `few-rows-q8` multiplies its Q4_1
+  `few-rows-gguf` reads a float32 target's GGUF rows instead (the same bits); `few-rows-q8` multiplies those
   rows by the inputs rounded to 8 bits, as llama.cpp does (`csrc/q8_rows.cpp`): other bits, so an exact plan
   takes it for all of its exact buckets or for none, as their summed times decide.
   Where the CPU multiplies bfloat16 natively, bfloat16 weights are read as panels (`pack_panels`): a verify
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad
-from specdecode.models.gguf_rows import interleave_q4_1
+from specdecode.models.gguf_rows import interleave
 from specdecode.paths import cache_dir
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a pass with M rows uses the plan of the smallest bucket >= M
@@ -179,12 +179,12 @@ class Linear:
 
     def few_rows_weight(self, kernel: str) -> torch.Tensor:
         """What the few-rows kernel reads under `kernel`: with `few-rows-gguf`, the GGUF rows where this linear has
-        them (the same bits as its float32 weight, a fifth to a quarter of the bytes); with `few-rows-q8`, its Q4_1
-        rows interleaved for 8-bit inputs (interleaved once, on first use), else its GGUF rows all the same (a
-        Q8_0 head keeps float32 inputs)."""
+        them (the same bits as its float32 weight, a fifth to a quarter of the bytes); with `few-rows-q8`, those
+        rows interleaved for 8-bit inputs (once, on first use; a matrix whose rows do not fill groups of eight
+        keeps its GGUF rows and float32 inputs)."""
         if kernel == EIGHT_BIT_INPUTS and self.blocks is not None:
             if self._interleaved is None:
-                interleaved = interleave_q4_1(self.blocks, self.weight.shape[1])
+                interleaved = interleave(self.blocks, self.weight.shape[1])
                 self._interleaved = self.blocks if interleaved is None else interleaved
             return self._interleaved
         return self.blocks if kernel == "few-rows-gguf" and self.blocks is not None else self.kernel_weight

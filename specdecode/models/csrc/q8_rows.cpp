@@ -1,22 +1,21 @@
-// q8_rows_linear: y (M, N) = x (M, K) . w (N, K)^T over GGUF Q4_1 weights with the rows x quantized to 8 bits,
-// as llama.cpp computes a Q4_1 matrix (its Q8_1 activations), for the few rows of a decode step or a verify pass.
+// q8_rows_linear: y (M, N) = x (M, K) . w (N, K)^T over GGUF Q4_1 or Q8_0 weights with the rows x rounded to
+// 8 bits, as llama.cpp computes such a matrix (its Q8_1 / Q8_0 activations), for the few rows of a decode step or
+// a verify pass.
 //
-// Why: on a CPU without native bfloat16 (a Zen 3 EPYC, AVX2) the float32 kernel over the same Q4_1 rows rebuilds
+// Why: on a CPU without native bfloat16 (a Zen 3 EPYC, AVX2) the float32 kernel over the same rows rebuilds
 // every weight in float32 before its product and runs at ~12 GB/s, a third of what plain reads reach; the pass
-// is instruction-bound. Here 32 products of 4-bit weights and 8-bit inputs are one vpmaddubsw, so a one-row pass
-// streams the weights at the memory's speed (Zen 3, a 75 MB Q4_1 matrix: 42 GB/s against 12).
-// Layout (models/gguf_rows.py `interleave_q4_1`): the rows in groups of eight, each group block by block, 160
-// bytes a block: four steps of 32 bytes, step s holding for row r weights 8 s .. 8 s + 3 of the block in the low
-// nibbles of bytes 4 r .. 4 r + 3 and weights 8 s + 4 .. 8 s + 7 in their high nibbles; then the eight rows' d,
-// then their m (float16). One load and two masks give eight rows' four weights each, and a broadcast of four
-// input bytes meets them: the products of a row land in its own lanes, so a block's eight sums leave as one
-// vector, and the outputs of a group are one vector with no sums across lanes.
+// is instruction-bound. Here 32 products of 4- or 8-bit weights and 8-bit inputs are one vpmaddubsw, so a
+// one-row pass streams the weights at the memory's speed (Zen 3, a 75 MB Q4_1 matrix: 42 GB/s against 12).
+// Layout: the rows in groups of eight, each group block by block (`Q4_1Groups`, `Q8_0Groups` below). One load
+// gives eight rows' four weights each, and a broadcast of four input bytes meets them: the products of a row
+// land in its own lanes, so a block's eight sums leave as one vector, and a group's outputs are one vector
+// with no sums across lanes.
 // Each input row, block by block: d_x = max |x| / 127, q = round(x / d_x), s_x = d_x * sum(q) (Q8_1); the block's
-// product with a Q4_1 row is d_w d_x sum(q_w q) + m_w s_x. The integer sums are exact; each output adds its
-// blocks' two terms to one float32 lane in block order whatever M and the tile are, so a row's result never
-// depends on the other rows of its pass: a verify pass over k + 1 positions computes bit for bit what k + 1
-// one-token steps compute (tested). Against the float32 weights the result differs by the inputs' rounding
-// to 8 bits (~0.4% of a block's largest input), the precision class of a bfloat16 row.
+// product with a Q4_1 row is d_w d_x sum(q_w q) + m_w s_x, with a Q8_0 row d_w d_x sum(q_w q). The integer sums
+// are exact; each output adds its blocks' terms to one float32 lane in block order whatever M and the tile are,
+// so a row's result never depends on the other rows of its pass: a verify pass over k + 1 positions computes
+// bit for bit what k + 1 one-token steps compute (tested). Against the float32 weights the result differs by
+// the inputs' rounding to 8 bits (~0.4% of a block's largest input), the precision class of a bfloat16 row.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -25,7 +24,7 @@
 
 namespace {
 
-constexpr int64_t kGroupRows = 8, kBlockBytes = 160;
+constexpr int64_t kGroupRows = 8;
 // Each thread's groups are one contiguous stream; asking for the bytes 2 KB ahead as it goes took the model's
 // one-row linears (~0.3-1.7 MB each, too short for the hardware prefetcher to ramp up) from 3.0 to 2.5 ms on a
 // Zen 3 EPYC (1, 2, 4 and 8 KB ahead: 2.74 / 2.52 / 2.53 / 2.52 ms; four rows 3.83 -> 3.67).
@@ -64,82 +63,139 @@ void quantize_row(const float* x, int8_t* q, InputScale* scales, int64_t K) {
   }
 }
 
-// Input rows m0 .. m0 + MB - 1 against the eight weight rows of group g. A block's integer sums stay in 16-bit
-// lanes (each |pair sum| <= 2 * 15 * 127, eight of them per lane: < 2^15), then widen once.
+// The weights' two formats, interleaved (models/gguf_rows.py `interleave`): per group of eight rows and block,
+// Q4_1: four steps of 32 bytes (step s: row r's weights 8 s + t in the low nibbles of bytes 4 r + t, t < 4, and
+// 8 s + 4 + t in their high nibbles), then the eight d, then the eight m (float16): 160 bytes;
+// Q8_0: eight steps of 32 bytes (step s: row r's weights 4 s + t, signed, in bytes 4 r + t), then the eight d:
+// 272 bytes.
+struct Q4_1Groups {
+  static constexpr int64_t kBytes = 160;
+};
+struct Q8_0Groups {
+  static constexpr int64_t kBytes = 272;
+};
+
+// The eight rows' integer sums of one block against MB input rows, as 32-bit lanes (one per weight row).
+// Q4_1: 4-bit weights against 8-bit inputs, pair sums |.| <= 2 * 15 * 127 and eight of them per 16-bit lane
+// (< 2^15), widened once. Q8_0: signed by signed through vpmaddubsw's unsigned operand (|w| against the
+// inputs carrying w's sign, as llama.cpp does), pair sums up to 2 * 128 * 127: widened every step.
 template <int MB>
+inline void block_sums(Q4_1Groups, const uint8_t* block, const int8_t* const* xq, __m256i* sums) {
+  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256i wide[MB];
+  for (int i = 0; i < MB; ++i) wide[i] = _mm256_setzero_si256();
+  for (int s = 0; s < 4; ++s) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s));
+    const __m256i low = _mm256_and_si256(packed, nibble);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+    for (int i = 0; i < MB; ++i) {
+      int32_t first, second;
+      __builtin_memcpy(&first, xq[i] + 8 * s, 4);
+      __builtin_memcpy(&second, xq[i] + 8 * s + 4, 4);
+      wide[i] = _mm256_add_epi16(wide[i], _mm256_maddubs_epi16(low, _mm256_set1_epi32(first)));
+      wide[i] = _mm256_add_epi16(wide[i], _mm256_maddubs_epi16(high, _mm256_set1_epi32(second)));
+    }
+  }
+  for (int i = 0; i < MB; ++i) sums[i] = _mm256_madd_epi16(wide[i], ones);
+}
+
+template <int MB>
+inline void block_sums(Q8_0Groups, const uint8_t* block, const int8_t* const* xq, __m256i* sums) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < MB; ++i) sums[i] = _mm256_setzero_si256();
+  for (int s = 0; s < 8; ++s) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s));
+    const __m256i magnitude = _mm256_sign_epi8(w, w);
+    for (int i = 0; i < MB; ++i) {
+      int32_t four;
+      __builtin_memcpy(&four, xq[i] + 4 * s, 4);
+      const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(four), w);
+      sums[i] = _mm256_add_epi32(sums[i], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+    }
+  }
+}
+
+// A block's float32 terms into each input row's eight accumulators: d_w d_x sum, then (Q4_1) m_w s_x.
+inline __m256 block_terms(Q4_1Groups, const uint8_t* block, __m256i sums, InputScale scale, __m256 acc) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 128)));
+  const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 144)));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(scale.d)), acc);
+  return _mm256_fmadd_ps(m, _mm256_set1_ps(scale.s), acc);
+}
+
+inline __m256 block_terms(Q8_0Groups, const uint8_t* block, __m256i sums, InputScale scale, __m256 acc) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 256)));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(scale.d)), acc);
+}
+
+// Input rows m0 .. m0 + MB - 1 against the eight weight rows of group g: each output one float32 lane, its
+// blocks added in order.
+template <int MB, typename Format>
 inline void group_tile(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* Y, int64_t m0, int64_t g,
                        int64_t K, int64_t N) {
   const int64_t blocks = K / 32;
-  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
-  const uint8_t* group = P + g * blocks * kBlockBytes;
+  const uint8_t* group = P + g * blocks * Format::kBytes;
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = group + b * kBlockBytes;
-    for (int line = 0; line < 3; ++line) __builtin_prefetch(block + kPrefetchBytes + 64 * line);
+    const uint8_t* block = group + b * Format::kBytes;
+    for (int64_t line = 0; line < Format::kBytes; line += 64) __builtin_prefetch(block + kPrefetchBytes + line);
+    const int8_t* xq[MB];
+    for (int i = 0; i < MB; ++i) xq[i] = Xq + (m0 + i) * K + b * 32;
     __m256i sums[MB];
-    for (int i = 0; i < MB; ++i) sums[i] = _mm256_setzero_si256();
-    for (int s = 0; s < 4; ++s) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s));
-      const __m256i low = _mm256_and_si256(packed, nibble);
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-      for (int i = 0; i < MB; ++i) {
-        const int8_t* xq = Xq + (m0 + i) * K + b * 32 + 8 * s;
-        int32_t first, second;
-        __builtin_memcpy(&first, xq, 4);
-        __builtin_memcpy(&second, xq + 4, 4);
-        sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(low, _mm256_set1_epi32(first)));
-        sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(high, _mm256_set1_epi32(second)));
-      }
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 128)));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 144)));
-    for (int i = 0; i < MB; ++i) {
-      const InputScale scale = Xs[(m0 + i) * blocks + b];
-      const __m256 products = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i], ones));
-      acc[i] = _mm256_fmadd_ps(products, _mm256_mul_ps(d, _mm256_set1_ps(scale.d)), acc[i]);
-      acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(scale.s), acc[i]);
-    }
+    block_sums<MB>(Format{}, block, xq, sums);
+    for (int i = 0; i < MB; ++i) acc[i] = block_terms(Format{}, block, sums[i], Xs[(m0 + i) * blocks + b], acc[i]);
   }
   for (int i = 0; i < MB; ++i) _mm256_storeu_ps(Y + (m0 + i) * N + g * kGroupRows, acc[i]);
 }
 
 // Tiles of up to four input rows share each loaded group (eight rows a tile spilled registers: 1.3x the time).
-template <int MB>
+template <int MB, typename Format>
 void q8_linear(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* Y, int64_t M, int64_t K,
                int64_t N) {
   at::parallel_for(0, N / kGroupRows, 8, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       int64_t m0 = 0;
-      for (; m0 + MB <= M; m0 += MB) group_tile<MB>(Xq, Xs, P, Y, m0, g, K, N);
-      for (; m0 < M; ++m0) group_tile<1>(Xq, Xs, P, Y, m0, g, K, N);
+      for (; m0 + MB <= M; m0 += MB) group_tile<MB, Format>(Xq, Xs, P, Y, m0, g, K, N);
+      for (; m0 < M; ++m0) group_tile<1, Format>(Xq, Xs, P, Y, m0, g, K, N);
     }
   });
+}
+
+template <typename Format>
+void q8_linear_by_rows(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* Y, int64_t M, int64_t K,
+                       int64_t N) {
+  if (M >= 4)
+    q8_linear<4, Format>(Xq, Xs, P, Y, M, K, N);
+  else if (M >= 2)
+    q8_linear<2, Format>(Xq, Xs, P, Y, M, K, N);
+  else
+    q8_linear<1, Format>(Xq, Xs, P, Y, M, K, N);
 }
 
 }  // namespace
 
 bool q8_rows_available() { return true; }
 
-// x float32 (M, K); w the interleaved Q4_1 groups (N / 8, K / 32, 160) uint8.
+// x float32 (M, K); w interleaved Q4_1 or Q8_0 groups (N / 8, K / 32, 160 or 272) uint8.
 torch::Tensor q8_rows_linear(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.dim() == 3 && w.scalar_type() == at::kByte &&
-                  w.size(2) == kBlockBytes && x.size(1) == w.size(1) * 32 && w.is_contiguous(),
-              "q8_rows_linear: float32 x (M, K), interleaved Q4_1 groups w (N / 8, K / 32, 160)");
+  const int64_t bytes = w.dim() == 3 ? w.size(2) : 0;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte &&
+                  (bytes == Q4_1Groups::kBytes || bytes == Q8_0Groups::kBytes) && x.size(1) == w.size(1) * 32 &&
+                  w.is_contiguous(),
+              "q8_rows_linear: float32 x (M, K), interleaved Q4_1 or Q8_0 groups w (N / 8, K / 32, 160 or 272)");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * kGroupRows;
   auto q = torch::empty({M, K}, x.options().dtype(at::kChar));
   auto scales = torch::empty({M, K / 32, 2}, x.options());
   auto* xs = reinterpret_cast<InputScale*>(scales.data_ptr<float>());
-  for (int64_t i = 0; i < M; ++i) quantize_row(x.data_ptr<float>() + i * K, q.data_ptr<int8_t>() + i * K, xs + i * (K / 32), K);
+  for (int64_t i = 0; i < M; ++i)
+    quantize_row(x.data_ptr<float>() + i * K, q.data_ptr<int8_t>() + i * K, xs + i * (K / 32), K);
   auto y = torch::empty({M, N}, x.options());
-  const uint8_t* P = w.data_ptr<uint8_t>();
-  if (M >= 4)
-    q8_linear<4>(q.data_ptr<int8_t>(), xs, P, y.data_ptr<float>(), M, K, N);
-  else if (M >= 2)
-    q8_linear<2>(q.data_ptr<int8_t>(), xs, P, y.data_ptr<float>(), M, K, N);
+  if (bytes == Q4_1Groups::kBytes)
+    q8_linear_by_rows<Q4_1Groups>(q.data_ptr<int8_t>(), xs, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, K, N);
   else
-    q8_linear<1>(q.data_ptr<int8_t>(), xs, P, y.data_ptr<float>(), M, K, N);
+    q8_linear_by_rows<Q8_0Groups>(q.data_ptr<int8_t>(), xs, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, K, N);
   return y;
 }
 
