@@ -3,7 +3,8 @@ how close is one pass to what the memory allows?
 
 Variants, all timed in one run: `hf` (the Hugging Face forward in float32, stock kernels: what specdecode
 ran before its own runner), the runner with each linear kernel forced (`runner-stock`, `runner-onednn`,
-`runner-few-rows`) and `runner-auto`, the library's default (the dtype and the kernel per row count chosen
+`runner-few-rows`, and `runner-few-rows-gguf`: float32 inputs over the GGUF's rows, the default of a float32
+target until 8-bit inputs measured faster) and `runner-auto`, the library's default (the dtype and the kernel per row count chosen
 on this machine), all in the default's dtype, and the runner in the other dtype (`runner-bf16` or
 `runner-fp32`: bfloat16 is the default only where the CPU multiplies it natively and it measured faster).
 The roofline is the default dtype's. For each context length and k, the
@@ -30,7 +31,7 @@ from specdecode.evaluation.results import write_results
 from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad
 from specdecode.models.target import Target, other_dtype
 
-FORCED_KERNELS = ("stock", "onednn", "few-rows")
+FORCED_KERNELS = ("stock", "onednn", "few-rows", "few-rows-gguf")
 
 
 BATCH_ROWS = (1, 4, 16, 64)  # requests decoded together, one new token each
