@@ -4,8 +4,8 @@ how close is one pass to what the memory allows?
 Variants, all timed in one run: `hf` (the Hugging Face forward in float32, stock kernels: what specdecode
 ran before its own runner), the runner with each linear kernel forced (`runner-stock`, `runner-onednn`,
 `runner-few-rows`, and `runner-few-rows-gguf`: float32 inputs over the GGUF's rows, the default of a float32
-target until 8-bit inputs measured faster) and `runner-auto`, the library's default (the dtype and the kernel per row count chosen
-on this machine), all in the default's dtype, and the runner in the other dtype (`runner-bf16` or
+target until 8-bit inputs measured faster) and `runner-auto`, the library's default (the dtype and the kernel
+per row count chosen on this machine), all in the default's dtype, and the runner in the other dtype (`runner-bf16` or
 `runner-fp32`: bfloat16 is the default only where the CPU multiplies it natively and it measured faster).
 The roofline is the default dtype's. For each context length and k, the
 median time of one target pass with the KV cache, interleaved across variants so that drift on a shared
