@@ -471,8 +471,8 @@ bool bfloat16_panels() {
 #endif
 }
 
-// x float32; w float32 or bfloat16 (N, K), bfloat16 panels (see panel_linear), GGUF rows, or interleaved Q4_1
-// groups (uint8, three dimensions: csrc/q8_rows.cpp, where x is rounded to 8 bits); y float32.
+// x float32; w float32 or bfloat16 (N, K), bfloat16 panels (see panel_linear), GGUF rows, or interleaved Q4_1 or
+// Q8_0 groups (uint8, three dimensions: csrc/q8_rows.cpp, where x is rounded to 8 bits); y float32.
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
   if (w.dim() == 3 && w.scalar_type() == at::kByte) return q8_rows_linear(x, w);
 #if defined(__AVX512BF16__)
