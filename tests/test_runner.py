@@ -390,8 +390,11 @@ def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_product(kind
         torch.ops.specdecode.few_rows_linear(x[:, :160], packed)
 
 
+@pytest.mark.skipif(
+    not cpu_kernels_available() or not torch.ops.specdecode.q8_rows_available(), reason="no AVX2 kernels"
+)
 def test_eight_bit_inputs_on_the_default_target_stay_lossless_and_near_float32_inputs(smollm2_fp32):
-    """The default target with its Q4_1 linears on 8-bit inputs (forced, whatever this machine would choose):
+    """The default target with its GGUF linears on 8-bit inputs (forced, whatever this machine would choose):
     speculative decoding at T = 0 gives normal decoding's tokens, and the logits stay near those of float32
     inputs (measured on SmolLM2: the logit vector 4% apart at the median position, the same argmax at 97-100%
     of positions; a wrong layout or scale moves every position by whole units)."""
