@@ -4,9 +4,10 @@ how close is one pass to what the memory allows?
 Variants, all timed in one run: `hf` (the Hugging Face forward in float32, stock kernels: what specdecode
 ran before its own runner), the runner with each linear kernel forced (`runner-stock`, `runner-onednn`,
 `runner-few-rows`, and `runner-few-rows-gguf`: float32 inputs over the GGUF's rows, the default of a float32
-target until 8-bit inputs measured faster) and `runner-auto`, the library's default (the dtype and the kernel
-per row count chosen on this machine), all in the default's dtype, and the runner in the other dtype (`runner-bf16` or
-`runner-fp32`: bfloat16 is the default only where the CPU multiplies it natively and it measured faster).
+target until 8-bit inputs measured faster; each where the default's dtype can run it, not stock in its place)
+and `runner-auto`, the library's default (the dtype and the kernel per row count chosen on this machine), all in
+the default's dtype, and the runner in the other dtype (`runner-bf16` or `runner-fp32`: bfloat16 is the default
+only where the CPU multiplies it natively and it measured faster).
 The roofline is the default dtype's. For each context length and k, the
 median time of one target pass with the KV cache, interleaved across variants so that drift on a shared
 machine hits every variant alike. Each variant's block of a repetition starts with an untimed pass: in
@@ -29,6 +30,7 @@ from specdecode import costmodel
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.results import write_results
 from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad
+from specdecode.models.linear import ROW_BUCKETS, candidates
 from specdecode.models.target import Target, other_dtype
 
 FORCED_KERNELS = ("stock", "onednn", "few-rows", "few-rows-gguf")
@@ -74,8 +76,10 @@ def load_variants(default: Target, target_name: str) -> dict[str, Target]:
     """The runner as loaded by default, beside the HF path, each forced kernel and the other dtype."""
     other = other_dtype(default.dtype)
     variants = {"hf": Target.load(target_name, dtype=torch.float32, runner=False)}
+    quantized = default.runner is not None and any(lin.blocks is not None for lin in default.runner.linears())
     for kernel in FORCED_KERNELS:
-        variants[f"runner-{kernel}"] = Target.load(target_name, dtype=default.dtype, kernel=kernel)
+        if kernel in candidates(default.dtype, ROW_BUCKETS[-1], quantized=quantized):  # else it would run stock
+            variants[f"runner-{kernel}"] = Target.load(target_name, dtype=default.dtype, kernel=kernel)
     variants["runner-auto"] = default
     variants[f"runner-{costmodel.dtype_name(other)}"] = Target.load(target_name, dtype=other)
     return variants
