@@ -7,8 +7,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models import registry
-from specdecode.models.linear import EIGHT_BIT_INPUTS
+from specdecode.models.linear import EIGHT_BIT_INPUTS, cpu_kernels_available
 from specdecode.models.target import Target
+
+needs_q8_rows = pytest.mark.skipif(
+    not cpu_kernels_available() or not torch.ops.specdecode.q8_rows_available(), reason="no AVX2 kernels"
+)
 
 
 @pytest.fixture(scope="session")

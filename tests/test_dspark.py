@@ -17,14 +17,14 @@ from specdecode.drafters.layers import freeze_norms
 from specdecode.drafters.vocab import draft_index
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
-from specdecode.models.linear import FrozenLinear, cpu_kernels_available, freeze_linears
+from specdecode.models.linear import EIGHT_BIT_INPUTS, FrozenLinear, cpu_kernels_available, freeze_linears
 from specdecode.sampling import SamplingParams
 from specdecode.training.block_losses import block_attention_mask, sample_anchors, teacher, training_losses
 from specdecode.training.data import Example
 from specdecode.training.features import FeatureBatch, OfflineFeatures, write_feature_cache
 from specdecode.training.run import run_training
 from specdecode.training.trainer import TrainConfig
-from tests.conftest import tiny_target
+from tests.conftest import needs_q8_rows, tiny_target
 from tests.test_lossless import exact_two_token_distribution
 from tests.test_verify import chi_square_pvalue
 
@@ -277,12 +277,15 @@ def test_losses_are_finite_and_trainable(markov_rank, fill_in, draft_ids):
 
 def loop_drafter(target, kernel: str = "few-rows", **kwargs) -> BlockDrafter:
     """A tiny drafter frozen for inference as a loaded one is, its linears on `kernel` at every size: on the
-    few-rows kernel its backbone runs in the C++ layer loop (drafters/block_kernels.py)."""
+    few-rows kernels its backbone runs in the C++ layer loop (drafters/block_kernels.py); on the 8-bit-input
+    kernel over its weights rounded to Q8_0 rows."""
     model = make_model(target, **kwargs)
-    freeze_linears(model, "test-drafter", kernel=kernel)
+    freeze_linears(model, "test-drafter", kernel=kernel, eight_bit_inputs=kernel == EIGHT_BIT_INPUTS)
     freeze_norms(model)
     drafter = BlockDrafter(model)
-    assert drafter.kernels is not None and drafter.kernels.runs(3 * model.config.block_size) == (kernel == "few-rows")
+    assert drafter.kernels is not None
+    looped = kernel if kernel.startswith("few-rows") else None
+    assert drafter.kernels.loop_kernel(3 * model.config.block_size) == looped
     return drafter
 
 
@@ -293,8 +296,9 @@ def loop_drafter(target, kernel: str = "few-rows", **kwargs) -> BlockDrafter:
         (False, "few-rows", 8, REDUCED),
         (True, "few-rows", 0, None),
         (True, "onednn", 8, None),
+        pytest.param(True, EIGHT_BIT_INPUTS, 8, None, marks=needs_q8_rows),
     ],
-    ids=["head-norms", "no-head-norms-reduced-vocab", "dflash", "library-kernel"],
+    ids=["head-norms", "no-head-norms-reduced-vocab", "dflash", "library-kernel", "8-bit-inputs"],
 )
 def test_the_cpp_kernels_draft_what_the_python_path_drafts(qk_norm, kernel, markov_rank, draft_ids):
     """The C++ layer loop over each request's context cache gives the Python backbone's states (alone, and in
@@ -329,7 +333,7 @@ def test_the_cpp_kernels_draft_what_the_python_path_drafts(qk_norm, kernel, mark
     inputs = torch.randn(3, g, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     positions = torch.stack([torch.arange(len(s) - 1, len(s) - 1 + g) for s in committed])
     cache, slots, starts = _pool_slots(looped)
-    if kernel != "few-rows":  # the Python backbone ran, on the library kernel; the context K/V are checked
+    if not kernel.startswith("few-rows"):  # the Python backbone ran, on the library kernel; the context K/V are checked
         return
     with torch.inference_mode():
         want_states = model.backbone(inputs, positions, *_context_and_mask(cache, slots, starts, g))

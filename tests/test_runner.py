@@ -19,12 +19,14 @@ from specdecode.drafters import Drafter, build_drafter
 from specdecode.engine.batch import BatchedTarget
 from specdecode.engine.decode import SpeculativeDecoder, tree_attention
 from specdecode.models import linear as linear_module
-from specdecode.models.gguf_rows import dequantize, interleave
+from specdecode.models.gguf_rows import dequantize, interleave, quantize_q8_0
 from specdecode.models.linear import (
     FEW_ROWS_MAX,
     ROW_BUCKETS,
+    FrozenLinear,
     Linear,
     cpu_kernels_available,
+    freeze_linears,
     native_bfloat16,
     pack_panels,
     panels_fit,
@@ -35,7 +37,7 @@ from specdecode.models.llama import Rows, unsupported_reason
 from specdecode.models.registry import converted_dir
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
-from tests.conftest import tiny_llama, tiny_tokenizer
+from tests.conftest import needs_q8_rows, tiny_llama, tiny_tokenizer
 
 ATOL, RTOL = 2e-3, 1e-4
 LAYERS = [3, 14, 27]
@@ -358,9 +360,7 @@ def eight_bit_reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return torch.einsum("rbk,nbk,nb,rb->rn", q, q_w, d_w, d_x) + (d_x * q.sum(-1)) @ m_w.T
 
 
-@pytest.mark.skipif(
-    not cpu_kernels_available() or not torch.ops.specdecode.q8_rows_available(), reason="no AVX2 kernels"
-)
+@needs_q8_rows
 @pytest.mark.parametrize(("kind", "group_bytes"), [("Q4_1", 160), ("Q8_0", 272)])
 def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_product(kind, group_bytes):
     """GGUF rows interleaved for 8-bit inputs: row r's output is bit-identical alone or beside 1..39 other rows
@@ -390,9 +390,27 @@ def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_product(kind
         torch.ops.specdecode.few_rows_linear(x[:, :160], packed)
 
 
-@pytest.mark.skipif(
-    not cpu_kernels_available() or not torch.ops.specdecode.q8_rows_available(), reason="no AVX2 kernels"
-)
+def test_a_drafter_s_weights_round_to_q8_0_rows_that_every_kernel_reads_alike():
+    """`quantize_q8_0` rounds each weight to the nearest multiple of its block's float16 scale (max |w| / 127), and
+    rounding the result again changes nothing; a drafter frozen for 8-bit inputs keeps those rows beside the
+    float32 weights they stand for (so its float32 kernels multiply the same weights), except where a matrix's
+    rows do not fill groups of eight."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 96, generator=g) * 0.1
+    weight[3, 32:64] = 0  # an all-zero block: scale 0, weights 0
+    blocks = quantize_q8_0(weight)
+    assert blocks.shape == (24, 3 * 34) and blocks.dtype == torch.uint8
+    scales = blocks.view(24, 3, 34)[..., :2].contiguous().view(torch.float16).float()
+    rounded = dequantize(blocks, 96)
+    assert torch.all((rounded - weight).abs().view(24, 3, 32) <= scales / 2 * (1 + 1e-3) + 1e-12)
+    assert torch.equal(dequantize(quantize_q8_0(rounded), 96), rounded) and not rounded[3, 32:64].any()
+    module = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 12, bias=False))
+    freeze_linears(module, "test-q8-drafter", kernel="stock", eight_bit_inputs=True)
+    rows, odd = (m.linear for m in module if isinstance(m, FrozenLinear))
+    assert torch.equal(dequantize(rows.blocks, 64), rows.weight) and odd.blocks is None  # 12 rows: not whole groups
+
+
+@needs_q8_rows
 def test_eight_bit_inputs_on_the_default_target_stay_lossless_and_near_float32_inputs(smollm2_fp32):
     """The default target with its GGUF linears on 8-bit inputs (forced, whatever this machine would choose):
     speculative decoding at T = 0 gives normal decoding's tokens, and the logits stay near those of float32

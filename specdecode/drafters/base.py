@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.linear import stable_digest
+from specdecode.models.linear import FrozenLinear, stable_digest
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
@@ -154,14 +154,18 @@ class Drafter:
 
 
 def cost_digest(drafter: Drafter) -> str:
-    """What a drafter's cost depends on: its kind and configuration, those of the drafter it wraps, and the
-    drafters' code (every module of the package: a faster drafting path, wherever it lives, must be measured
-    again, or the drafting gate keeps deciding on the old cost)."""
+    """What a drafter's cost depends on: its kind and configuration, those of the drafter it wraps, the
+    kernels of its network's linears (and whether they read Q8_0 rows), and the drafters' code (every module of
+    the package: a faster drafting path, wherever it lives, must be measured again, or the drafting gate keeps
+    deciding on the old cost)."""
     parts = []
     while isinstance(drafter, Drafter):
         config = getattr(drafter, "config", None)
         parts.append([drafter.name, config.to_dict() if hasattr(config, "to_dict") else None])
         drafter = getattr(drafter, "model", None)
+    if isinstance(drafter, torch.nn.Module):
+        linears = [m.linear for m in drafter.modules() if isinstance(m, FrozenLinear)]
+        parts.append(sorted({(k, lin.blocks is not None) for lin in linears for k in lin.plan.values()}))
     code = [source.read_text() for source in sorted(Path(__file__).parent.glob("*.py"))]
     return stable_digest([parts, code])
 

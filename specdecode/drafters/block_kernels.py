@@ -35,25 +35,22 @@ class BlockKernels:
         self.eps = model.norm.eps
         self.norm = model.norm.weight
         self.rotary = model.rotary
-        self.weights: list[torch.Tensor] = []
-        self.qkv: list[Linear] = []
+        # per layer, in the order the C++ loop takes them: norms as tensors, linears as `Linear`s
+        self.layer_parts: list[tuple[Tensor | Linear, ...]] = []
+        self._loop_weights: dict[str, list[Tensor]] = {}  # per few-rows kernel, made on first use
         # every layer's keys and values of the context in one product: (layers * 2 * kv_heads * head_dim, H)
         self.context_kv_linear = _fused([m for layer in model.layers for m in (layer.k_proj, layer.v_proj)])
         self.k_norms = [layer.k_norm.weight if self.head_norms else None for layer in model.layers]
         for layer in model.layers:
-            qkv = _fused([layer.q_proj, layer.k_proj, layer.v_proj])
-            gate_up = _fused([layer.gate_proj, layer.up_proj])
-            self.qkv.append(qkv)
-            self.weights += [
+            parts = (
                 layer.input_layernorm.weight,
-                qkv.kernel_weight,
-                layer.o_proj.linear.kernel_weight,
+                _fused([layer.q_proj, layer.k_proj, layer.v_proj]),
+                layer.o_proj.linear,
                 layer.post_attention_layernorm.weight,
-                gate_up.kernel_weight,
-                layer.down_proj.linear.kernel_weight,
-            ]
-            if self.head_norms:
-                self.weights += [layer.q_norm.weight, layer.k_norm.weight]
+                _fused([layer.gate_proj, layer.up_proj]),
+                layer.down_proj.linear,
+            )
+            self.layer_parts.append(parts + ((layer.q_norm.weight, layer.k_norm.weight) if self.head_norms else ()))
         markov = model.markov
         self.chains = markov is None or markov.kind == "vanilla"  # the C++ chain covers these heads
         if self.chains:
@@ -71,11 +68,24 @@ class BlockKernels:
         cpu = model.fc.weight.device.type == "cpu"
         return cls(model) if frozen and cpu and cpu_kernels_available() else None
 
-    def runs(self, tokens: int) -> bool:
-        """Whether a backbone pass of `tokens` block tokens takes the loop: always over bfloat16 panels (they keep
-        up with the library kernels at any row count, as in the target runner; measured: 8 requests' blocks
-        15.4 ms in Python on oneDNN, 10.9 ms in the loop), else where the measured plan runs the few-rows kernel."""
-        return self.qkv[0].kernel_weight.dim() == 3 or self.qkv[0].kernel_for(tokens) == "few-rows"
+    def loop_kernel(self, tokens: int) -> str | None:
+        """The few-rows kernel a backbone pass of `tokens` block tokens takes in the loop, or None where it runs in
+        Python: always the loop over bfloat16 panels (they keep up with the library kernels at any row count, as
+        in the target runner; measured: 8 requests' blocks 15.4 ms in Python on oneDNN, 10.9 ms in the loop),
+        else where the measured plan runs a few-rows kernel."""
+        qkv = self.layer_parts[0][1]
+        kernel = qkv.kernel_for(tokens)
+        if kernel.startswith("few-rows"):
+            return kernel
+        return "few-rows" if qkv.kernel_weight.dim() == 3 else None
+
+    def loop_weights(self, kernel: str) -> list[Tensor]:
+        """Every layer's weights as the C++ loop reads them under the few-rows `kernel`."""
+        if kernel not in self._loop_weights:
+            self._loop_weights[kernel] = [
+                p.few_rows_weight(kernel) if isinstance(p, Linear) else p for parts in self.layer_parts for p in parts
+            ]
+        return self._loop_weights[kernel]
 
     @torch.inference_mode()
     def backbone(
@@ -88,8 +98,9 @@ class BlockKernels:
         cos, sin = (t.reshape(R * Q, -1) for t in self.rotary.tables(positions))
         group = self.heads // self.kv_heads
         limits = (torch.tensor(starts) + Q)[:, None].expand(R, group * Q).contiguous()
+        weights = self.loop_weights(self.loop_kernel(R * Q))
         delta, *_ = torch.ops.specdecode.decoder_layers(
-            x, self.weights, cache.keys, cache.values, cos, sin, torch.tensor(slots), starts, [Q] * R, limits, None,
+            x, weights, cache.keys, cache.values, cos, sin, torch.tensor(slots), starts, [Q] * R, limits, None,
             self.heads, self.kv_heads, self.head_norms, self.eps, [],
         )  # fmt: skip
         return torch.ops.specdecode.add_rms_norm(x, delta, self.norm, self.eps).view(R, Q, hidden)
@@ -141,8 +152,10 @@ def _linears(layer) -> list:
 
 
 def _fused(modules: list) -> Linear:
-    """One matrix for frozen projections of the same input, planned as the first of them."""
-    fused = Linear(torch.cat([m.linear.weight for m in modules]))
+    """One matrix for frozen projections of the same input, planned as the first of them (their Q8_0 rows joined
+    too where each has them)."""
+    blocks = [m.linear.blocks for m in modules]
+    fused = Linear(torch.cat([m.linear.weight for m in modules]), None, None if None in blocks else torch.cat(blocks))
     fused.plan = dict(modules[0].linear.plan)
     if "onednn" in fused.plan.values():
         fused.pack_onednn()

@@ -348,7 +348,7 @@ class BlockDrafter(Drafter):
         positions = torch.stack([torch.arange(len(ids[r]) - 1, len(ids[r]) - 1 + g) for r in rows])
         cache, slots, starts = _pool_slots([drafters[r] for r in rows])
         kernels = first.kernels
-        if kernels is not None and kernels.runs(len(rows) * g):
+        if kernels is not None and kernels.loop_kernel(len(rows) * g):
             h = kernels.backbone(inputs, positions, cache, slots, starts)
         else:
             h = model.backbone(inputs, positions, *_context_and_mask(cache, slots, starts, g))

@@ -50,6 +50,19 @@ def dequantize(blocks: torch.Tensor, inputs: int) -> torch.Tensor:
     return (d * q + m).reshape(rows, -1)
 
 
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """Float rows (N, K) -> Q8_0 rows (N, K / 32 * 34) uint8, as llama.cpp rounds a matrix to Q8_0: per 32 weights
+    d = max |w| / 127 (float16) and q = round(w / d). For weights that come with no GGUF rows (a drafter's), so
+    that the 8-bit-input kernel can read them; `dequantize` gives the float32 values they then stand for."""
+    rows, inputs = weight.shape
+    blocks = weight.detach().float().reshape(rows, inputs // 32, 32)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half()
+    scale = d.float()
+    q = torch.where(scale > 0, blocks / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    q = q.round().clamp(-127, 127).to(torch.int8)
+    return torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(rows, -1)
+
+
 def interleave(blocks: torch.Tensor, inputs: int) -> torch.Tensor | None:
     """Q4_1 rows (N, inputs / 32 * 20) or Q8_0 rows (N, inputs / 32 * 34) -> the 8-bit-input kernel's groups of
     eight rows (N / 8, inputs / 32, 160 or 272) uint8, or None where N is not a multiple of 8. Per group and block,

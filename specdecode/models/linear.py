@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad
-from specdecode.models.gguf_rows import interleave
+from specdecode.models.gguf_rows import dequantize, interleave, quantize_q8_0
 from specdecode.paths import cache_dir
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a pass with M rows uses the plan of the smallest bucket >= M
@@ -262,20 +262,34 @@ class FrozenLinear(nn.Module):
         return self.linear(x)
 
 
-def freeze_linears(module: nn.Module, label: str, kernel: str = "auto", dtype: torch.dtype | None = None) -> None:
+def freeze_linears(
+    module: nn.Module,
+    label: str,
+    kernel: str = "auto",
+    dtype: torch.dtype | None = None,
+    eight_bit_inputs: bool = False,
+) -> None:
     """Swap every `nn.Linear` of an inference-only module (a drafter loaded from disk) for a `FrozenLinear`
     over the same weight (cast to `dtype` when given: the target's, so a drafter streams bfloat16 where the
     machine chose it), with kernels planned for the group: a drafter runs every round at a few rows, where
-    stock `F.linear` streams its weights at a fraction of the measured kernels' speed. Training code never
-    calls this: a FrozenLinear passes no gradient to its weight."""
+    stock `F.linear` streams its weights at a fraction of the measured kernels' speed. With `eight_bit_inputs`
+    (the target runs its linears on 8-bit inputs) float32 weights are rounded to Q8_0 rows, so that the
+    8-bit-input kernel is a candidate of the plan too (a quarter of the bytes; the rounding moves a weight by at
+    most 1/254 of its block's largest). Training code never calls this: a FrozenLinear passes no gradient to its
+    weight."""
     found = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()]
     found = [(parent, name, child) for parent, name, child in found if type(child) is nn.Linear]
     if not found:
         return
     dtype = dtype or found[0][2].weight.dtype
-    linears = [
-        Linear(c.weight.detach().to(dtype), None if c.bias is None else c.bias.detach().to(dtype)) for _, _, c in found
-    ]
+    linears = []
+    for _, _, child in found:
+        weight, bias = child.weight.detach().to(dtype), None if child.bias is None else child.bias.detach().to(dtype)
+        blocks = None
+        if eight_bit_inputs and dtype == torch.float32 and weight.shape[1] % 32 == 0 and weight.shape[0] % 8 == 0:
+            blocks = quantize_q8_0(weight)
+            weight = dequantize(blocks, weight.shape[1])  # every kernel then multiplies the same weights
+        linears.append(Linear(weight, bias, blocks))
     shapes = [list(lin.weight.shape) for lin in linears]
     if linears[0].weight.device.type == "cpu":
         plan_kernels(linears, kernel, {"model": label, "shapes": shapes, "dtype": str(linears[0].weight.dtype)})

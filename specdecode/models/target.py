@@ -142,11 +142,17 @@ class Target:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
     @property
-    def rounds_inputs(self) -> bool:
-        """Whether the linears of a decoding pass round their inputs (bfloat16 weights, or 8-bit inputs where the
-        plan found them faster): its logits then stand further from the float32 HF forward than float32 rounding."""
+    def eight_bit_inputs(self) -> bool:
+        """Whether the plan runs some of the runner's linears on inputs rounded to 8 bits (where it found them
+        faster: models/linear.py)."""
         plans = [lin.plan.values() for lin in self.runner.linears()] if self.runner else []
-        return self.dtype == torch.bfloat16 or any(EIGHT_BIT_INPUTS in plan for plan in plans)
+        return any(EIGHT_BIT_INPUTS in plan for plan in plans)
+
+    @property
+    def rounds_inputs(self) -> bool:
+        """Whether the linears of a decoding pass round their inputs (bfloat16 weights, or 8-bit inputs): its
+        logits then stand further from the float32 HF forward than float32 rounding."""
+        return self.dtype == torch.bfloat16 or self.eight_bit_inputs
 
     @functools.cached_property
     def eos_token_ids(self) -> frozenset[int]:

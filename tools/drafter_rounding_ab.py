@@ -1,0 +1,97 @@
+"""The shipped DSpark drafter on its float32 weights and inputs against its weights rounded to Q8_0 rows and its
+inputs to 8 bits (what `frozen` gives it where the target's plan took 8-bit inputs), on the five-benchmark mix:
+the drafter alone at a fixed draft length (its acceptance: does the rounding cost drafts?) and inside the
+default hybrid with the prefix scheduler (each variant priced by its own measured round), every decode against
+normal decoding of the same prompt just before, the variants interleaved prompt by prompt. Every greedy output
+is checked against normal decoding.
+
+    python tools/drafter_rounding_ab.py --limit 4 --out docs/results --name drafter_rounding_ab
+"""
+
+import argparse
+import statistics
+
+from specdecode.drafters import Drafter
+from specdecode.drafters.checkpoint import frozen, load_model
+from specdecode.drafters.dspark import BlockDrafter
+from specdecode.drafters.hybrid import HybridDrafter, round_costs
+from specdecode.drafters.shipped import shipped_drafter
+from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.evaluation.benchmarks import load_benchmark
+from specdecode.evaluation.results import write_results
+from specdecode.machine import ForeignLoad
+from specdecode.models.target import Target
+from specdecode.sampling import SamplingParams
+
+BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench")
+ROUNDINGS = {"float32 weights and inputs": False, "Q8_0 rows, 8-bit inputs": True}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=4, help="prompts per benchmark")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--draft-length", type=int, default=7)
+    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--name", default="drafter_rounding_ab")
+    args = parser.parse_args()
+    target = Target.load()
+    if not target.eight_bit_inputs:
+        raise SystemExit("the target's plan runs no linear on 8-bit inputs on this machine: nothing to compare")
+    path = shipped_drafter(target.name)
+    decoders, round_ms = {}, {}
+    for rounding, eight_bit in ROUNDINGS.items():
+        kind, model = load_model(path, target)
+        drafter = BlockDrafter(frozen(model, kind, target, eight_bit_inputs=eight_bit))
+        costs = round_costs(target, drafter)
+        round_ms[rounding] = round(costs.drafting * 1000, 3)
+        decoders[(rounding, "dspark alone")] = SpeculativeDecoder(target, drafter, args.draft_length)
+        hybrid = HybridDrafter(drafter, costs=costs)
+        decoders[(rounding, "default hybrid, prefix")] = SpeculativeDecoder(target, hybrid, 8, scheduler="prefix")
+    normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
+    items = [(b, item) for b in BENCHMARKS for item in load_benchmark(b, args.limit)]
+    cells: dict[tuple, list[tuple[float, float]]] = {}
+    with ForeignLoad() as load:
+        for temperature in [float(t) for t in args.temperatures.split(",")]:
+            params = SamplingParams(temperature=temperature)
+            for benchmark, item in items:
+                ids = target.encode_chat([{"role": "user", "content": item.turns[0]}])
+                base = normal.generate(ids, params, args.max_new_tokens, seed=0)[0]
+                for key, decoder in decoders.items():
+                    if isinstance(decoder.drafter, HybridDrafter):
+                        decoder.drafter.forget()
+                    got = decoder.generate(ids, params, args.max_new_tokens, seed=0)[0]
+                    if params.greedy and got.token_ids != base.token_ids:
+                        raise SystemExit(f"{key} on {benchmark}/{item.id}: the output differs from normal decoding")
+                    accepted = statistics.mean(got.stats.accepted_lengths)
+                    speedup = got.stats.tokens_per_s / base.stats.tokens_per_s
+                    cells.setdefault((temperature, *key, benchmark), []).append((speedup, accepted))
+    lines = [
+        "| T | decoder | drafter's linears | round ms | accepted | mean speedup | " + " | ".join(BENCHMARKS) + " |",
+        "|---:|---|---|---:|---:|---:|" + "---:|" * len(BENCHMARKS),
+    ]
+    runs = []
+    for temperature in sorted({key[0] for key in cells}):
+        for rounding, decoder in decoders:
+            each = {b: cells[(temperature, rounding, decoder, b)] for b in BENCHMARKS}
+            per_benchmark = {b: round(statistics.median(c[0] for c in cs), 3) for b, cs in each.items()}
+            mean = statistics.mean(per_benchmark.values())
+            accepted = statistics.mean(c[1] for cs in each.values() for c in cs)
+            runs.append({"drafter": decoder, "checkpoint": None, "benchmark": "mix", "temperature": temperature,
+                         "draft_length": decoders[(rounding, decoder)].draft_length, "tree": None,
+                         "prompts": len(items), "linears": rounding, "round_ms": round_ms[rounding],
+                         "mean_accepted_length": round(accepted, 3), "speedup": round(mean, 3),
+                         "speedup_median_per_benchmark": per_benchmark,
+                         "identical_to_normal_at_t0": True if temperature == 0 else None, "cells": each})  # fmt: skip
+            row = " | ".join(f"{per_benchmark[b]:.2f}x" for b in BENCHMARKS)
+            lines.append(f"| {temperature:g} | {decoder} | {rounding} | {round_ms[rounding]:.2f} | {accepted:.2f} | "
+                         f"{mean:.2f}x | {row} |")  # fmt: skip
+    table = "\n".join(lines) + "\n"
+    write_results(args.name, args.out, target.name, runs, table, max_new_tokens=args.max_new_tokens,
+                  prompts_per_benchmark=args.limit, foreign_load_cores_max=round(load.cores, 3))  # fmt: skip
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
