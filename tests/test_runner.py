@@ -364,7 +364,7 @@ def eight_bit_reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("kind", "group_bytes"), [("Q4_1", 160), ("Q8_0", 272)])
 def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_product(kind, group_bytes):
     """GGUF rows interleaved for 8-bit inputs: row r's output is bit-identical alone or beside 1..39 other rows
-    (tiles of four, of two, single rows) on one thread and on two, it is the Q8_1 product (a float64 reference
+    (tiles of four, three, two, single rows) on one thread and on two, it is the Q8_1 product (a float64 reference
     of the same rounding; only the float32 sums of its blocks differ), and within the inputs' rounding of the
     float32 product. Interleaving only moves bytes, and needs whole groups of eight rows."""
     generator = torch.Generator().manual_seed(0)
