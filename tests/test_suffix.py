@@ -2,6 +2,7 @@
 decoding with either stays lossless (exact at temperature 0, the target's distribution at temperature 1)."""
 
 import copy
+import math
 import random
 import time
 from collections import Counter
@@ -187,6 +188,30 @@ def test_acceptance_table_learns_from_verified_rounds():
     assert drafter.table.confidence(cell) < before / 4
     table = AcceptanceTable()
     assert table.cell(1, 0.1) != table.cell(40, 0.99)
+
+
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_a_request_s_own_drafts_scale_the_shared_odds(calibrated):
+    """The shared table, taught elsewhere that drafts survive 9 times in 10, meets a request whose drafts never
+    survive: within a few rounds that request's odds fall far below the table's, and where a draft costs 1.3x a
+    step it stops proposing; a new request starts from the table's odds again. Uncalibrated
+    (`calibration_prior=inf`), the table's odds hold and the request keeps proposing."""
+    settings = SuffixSettings(global_capacity=0, calibration_prior=2.0 if calibrated else math.inf)
+    drafter = SuffixDrafter(settings, lambda b: 1 / (1 + 0.3 * (b - 1)))
+    drafter.table.tries = [100.0] * len(drafter.table.tries)
+    drafter.table.hits = [90.0] * len(drafter.table.hits)
+    prompt = [1, 2, 3, 4, 1, 2]
+    drafter.begin(prompt, GREEDY, torch.Generator(), None)
+    drafter.proposal_limit(4)
+    first = drafter.propose(prompt, 4)
+    assert first.length > 0 and first.confidences[0].item() == pytest.approx(0.9)
+    for _ in range(10):  # the target never agrees with the first draft
+        drafter.observe([*prompt, 9], 0, None)
+        drafter.propose(prompt, 4)
+    assert (drafter.propose(prompt, 4).length == 0) == calibrated
+    table_odds = drafter.table.confidence(drafter.pending[2][0])  # the first draft's cell, taught 10 failures
+    drafter.begin(prompt, GREEDY, torch.Generator(), None)
+    assert drafter.propose(prompt, 4).confidences[0].item() == pytest.approx(table_odds)
 
 
 def test_global_index_serves_later_requests_and_stays_bounded():

@@ -3,11 +3,13 @@ with the hybrid's choices as shipped and as they were before: its model round pr
 positions (before stop 45), by the model's first drafting call (2.04x a normal step; before stop 43), its
 model's yield a mean over ~10 rounds (a 0.9 decay; before stop 42), and also a fixed 16-round wait between
 tries (before stop 41); and, to see what the model's rounds add, the hybrid with its model never drafting (its
-rounds priced out, no tries) and suffix decoding alone. One speculative decoder serves the three prompts of a
+rounds priced out, no tries) and suffix decoding alone; and the suffix's odds from its shared table alone, as
+before stop 54 (not scaled by a request's own factor). One speculative decoder serves the three prompts of a
 repeat, as in the demo; each repeat builds fresh ones. Every output is checked against normal greedy decoding.
 
     python tools/demo_ab.py --max-new-tokens 96 --repeats 5 --out docs/results --name demo_ab
     python tools/demo_ab.py --variants shipped "model never" "suffix alone" --repeats 5 --name demo_zen3
+    python tools/demo_ab.py --variants shipped "suffix odds uncalibrated" --repeats 7 --name suffix_calibration_ab
 """
 
 import argparse
@@ -19,6 +21,7 @@ from specdecode.demo import DEMO_PROMPTS
 from specdecode.drafters import Drafter, build_drafter, yields
 from specdecode.drafters.hybrid import HybridDrafter, RoundCosts, round_costs
 from specdecode.drafters.shipped import shipped_drafter
+from specdecode.drafters.suffix import SuffixDrafter, SuffixSettings
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
@@ -37,7 +40,10 @@ VARIANTS = {
     "10-round mean, fixed-16 wait": (yields.EXPLORE_EVERY, 9, 10, None),
     "model never": (*SHIPPED, "never"),
     "suffix alone": (*SHIPPED, "suffix"),
+    "suffix odds uncalibrated": (*SHIPPED, None),
 }
+# the suffix's survival odds: the shared table's times a request's own factor (since stop 54), or the table's alone
+SUFFIX_CALIBRATION_PRIOR = {"suffix odds uncalibrated": math.inf}
 
 
 def main() -> None:
@@ -62,11 +68,13 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, (*settings, price) in variants.items():
             yields.MAX_EXPLORE_EVERY, yields.PRIOR_ROUNDS, yields.WINDOW = settings
+            prior = SUFFIX_CALIBRATION_PRIOR.get(name, SuffixSettings.calibration_prior)
+            suffix = SuffixDrafter(SuffixSettings(calibration_prior=prior))
             if price == "suffix":
-                drafter = build_drafter("suffix", target)
+                drafter = suffix
             else:
                 priced = pricings.get(price) or RoundCosts.flat(costs.light(), price * costs.light())
-                drafter = HybridDrafter(model, costs=priced)
+                drafter = HybridDrafter(model, suffix, costs=priced)
                 if price == "never":
                     drafter.shared.exploration.every = sys.maxsize
             spec = SpeculativeDecoder(target, drafter, draft_length=8, scheduler="prefix")

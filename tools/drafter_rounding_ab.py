@@ -9,21 +9,17 @@ is checked against normal decoding.
 """
 
 import argparse
-import statistics
 
-from specdecode.drafters import Drafter
+from mix_cells import BENCHMARKS, decode_mix, summary
+
 from specdecode.drafters.checkpoint import frozen, load_model
 from specdecode.drafters.dspark import BlockDrafter
 from specdecode.drafters.hybrid import HybridDrafter, round_costs
 from specdecode.drafters.shipped import shipped_drafter
 from specdecode.engine.decode import SpeculativeDecoder
-from specdecode.evaluation.benchmarks import load_benchmark
 from specdecode.evaluation.results import write_results
-from specdecode.machine import ForeignLoad
 from specdecode.models.target import Target
-from specdecode.sampling import SamplingParams
 
-BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench")
 ROUNDINGS = {"float32 weights and inputs": False, "Q8_0 rows, 8-bit inputs": True}
 
 
@@ -49,24 +45,8 @@ def main() -> None:
         decoders[(rounding, "dspark alone")] = SpeculativeDecoder(target, drafter, args.draft_length)
         hybrid = HybridDrafter(drafter, costs=costs)
         decoders[(rounding, "default hybrid, prefix")] = SpeculativeDecoder(target, hybrid, 8, scheduler="prefix")
-    normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
-    items = [(b, item) for b in BENCHMARKS for item in load_benchmark(b, args.limit)]
-    cells: dict[tuple, list[tuple[float, float]]] = {}
-    with ForeignLoad() as load:
-        for temperature in [float(t) for t in args.temperatures.split(",")]:
-            params = SamplingParams(temperature=temperature)
-            for benchmark, item in items:
-                ids = target.encode_chat([{"role": "user", "content": item.turns[0]}])
-                base = normal.generate(ids, params, args.max_new_tokens, seed=0)[0]
-                for key, decoder in decoders.items():
-                    if isinstance(decoder.drafter, HybridDrafter):
-                        decoder.drafter.forget()
-                    got = decoder.generate(ids, params, args.max_new_tokens, seed=0)[0]
-                    if params.greedy and got.token_ids != base.token_ids:
-                        raise SystemExit(f"{key} on {benchmark}/{item.id}: the output differs from normal decoding")
-                    accepted = statistics.mean(got.stats.accepted_lengths)
-                    speedup = got.stats.tokens_per_s / base.stats.tokens_per_s
-                    cells.setdefault((temperature, *key, benchmark), []).append((speedup, accepted))
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    cells, foreign = decode_mix(target, decoders, temperatures, args.limit, args.max_new_tokens)
     lines = [
         "| T | decoder | drafter's linears | round ms | accepted | mean speedup | " + " | ".join(BENCHMARKS) + " |",
         "|---:|---|---|---:|---:|---:|" + "---:|" * len(BENCHMARKS),
@@ -75,12 +55,10 @@ def main() -> None:
     for temperature in sorted({key[0] for key in cells}):
         for rounding, decoder in decoders:
             each = {b: cells[(temperature, rounding, decoder, b)] for b in BENCHMARKS}
-            per_benchmark = {b: round(statistics.median(c[0] for c in cs), 3) for b, cs in each.items()}
-            mean = statistics.mean(per_benchmark.values())
-            accepted = statistics.mean(c[1] for cs in each.values() for c in cs)
+            per_benchmark, mean, accepted = summary(each)
             runs.append({"drafter": decoder, "checkpoint": None, "benchmark": "mix", "temperature": temperature,
                          "draft_length": decoders[(rounding, decoder)].draft_length, "tree": None,
-                         "prompts": len(items), "linears": rounding, "round_ms": round_ms[rounding],
+                         "prompts": args.limit * len(BENCHMARKS), "linears": rounding, "round_ms": round_ms[rounding],
                          "mean_accepted_length": round(accepted, 3), "speedup": round(mean, 3),
                          "speedup_median_per_benchmark": per_benchmark,
                          "identical_to_normal_at_t0": True if temperature == 0 else None, "cells": each})  # fmt: skip
@@ -89,7 +67,7 @@ def main() -> None:
                          f"{mean:.2f}x | {row} |")  # fmt: skip
     table = "\n".join(lines) + "\n"
     write_results(args.name, args.out, target.name, runs, table, max_new_tokens=args.max_new_tokens,
-                  prompts_per_benchmark=args.limit, foreign_load_cores_max=round(load.cores, 3))  # fmt: skip
+                  prompts_per_benchmark=args.limit, foreign_load_cores_max=round(foreign, 3))  # fmt: skip
     print(table)
 
 

@@ -1,0 +1,67 @@
+"""Suffix decoding's survival odds scaled by a request's own factor (`suffix.RequestCalibration`, since stop 54)
+against the shared acceptance table's odds alone, on the five-benchmark mix: suffix decoding alone and the
+default hybrid (suffix + the shipped DSpark, prefix scheduler), every decode against normal decoding of the same
+prompt just before, the variants interleaved prompt by prompt. Every greedy output is checked against normal
+decoding.
+
+    python tools/suffix_calibration_ab.py --limit 4 --out docs/results --name suffix_calibration_ab
+"""
+
+import argparse
+import math
+
+from mix_cells import BENCHMARKS, decode_mix, summary
+
+from specdecode.drafters import build_drafter
+from specdecode.drafters.hybrid import HybridDrafter
+from specdecode.drafters.shipped import shipped_drafter
+from specdecode.drafters.suffix import SuffixDrafter, SuffixSettings
+from specdecode.engine.decode import SpeculativeDecoder
+from specdecode.evaluation.results import write_results
+from specdecode.models.target import Target
+
+ODDS = {"calibrated per request": SuffixSettings.calibration_prior, "shared table alone": math.inf}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=4, help="prompts per benchmark")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--name", default="suffix_calibration_ab")
+    args = parser.parse_args()
+    target = Target.load()
+    model = build_drafter(str(shipped_drafter(target.name)), target)
+    decoders = {}
+    for odds, prior in ODDS.items():
+        suffix = SuffixDrafter(SuffixSettings(calibration_prior=prior))
+        decoders[(odds, "suffix alone")] = SpeculativeDecoder(target, suffix, 8, scheduler="prefix")
+        hybrid = HybridDrafter(model, SuffixDrafter(SuffixSettings(calibration_prior=prior)))
+        decoders[(odds, "default hybrid, prefix")] = SpeculativeDecoder(target, hybrid, 8, scheduler="prefix")
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    cells, foreign = decode_mix(target, decoders, temperatures, args.limit, args.max_new_tokens)
+    lines = [
+        "| T | decoder | suffix odds | accepted | mean speedup | " + " | ".join(BENCHMARKS) + " |",
+        "|---:|---|---|---:|---:|" + "---:|" * len(BENCHMARKS),
+    ]
+    runs = []
+    for temperature in sorted({key[0] for key in cells}):
+        for odds, decoder in decoders:
+            each = {b: cells[(temperature, odds, decoder, b)] for b in BENCHMARKS}
+            per_benchmark, mean, accepted = summary(each)
+            runs.append({"drafter": decoder, "checkpoint": None, "benchmark": "mix", "temperature": temperature,
+                         "draft_length": 8, "tree": None, "prompts": args.limit * len(BENCHMARKS),
+                         "suffix_odds": odds, "mean_accepted_length": round(accepted, 3), "speedup": round(mean, 3),
+                         "speedup_median_per_benchmark": per_benchmark,
+                         "identical_to_normal_at_t0": True if temperature == 0 else None, "cells": each})  # fmt: skip
+            row = " | ".join(f"{per_benchmark[b]:.2f}x" for b in BENCHMARKS)
+            lines.append(f"| {temperature:g} | {decoder} | {odds} | {accepted:.2f} | {mean:.2f}x | {row} |")
+    table = "\n".join(lines) + "\n"
+    write_results(args.name, args.out, target.name, runs, table, max_new_tokens=args.max_new_tokens,
+                  prompts_per_benchmark=args.limit, foreign_load_cores_max=round(foreign, 3))  # fmt: skip
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
