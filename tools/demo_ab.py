@@ -9,7 +9,7 @@ repeat, as in the demo; each repeat builds fresh ones. Every output is checked a
 
     python tools/demo_ab.py --max-new-tokens 96 --repeats 5 --out docs/results --name demo_ab
     python tools/demo_ab.py --variants shipped "model never" "suffix alone" --repeats 5 --name demo_zen3
-    python tools/demo_ab.py --variants shipped "suffix odds uncalibrated" --repeats 7 --name suffix_calibration_ab
+    python tools/demo_ab.py --variants shipped "suffix odds uncalibrated" --repeats 7 --name demo_suffix_calibration
 """
 
 import argparse
