@@ -4,7 +4,6 @@ just before, the decoders interleaved prompt by prompt (shared by the A/B tools 
 import statistics
 
 from specdecode.drafters import Drafter
-from specdecode.drafters.hybrid import HybridDrafter
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.evaluation.benchmarks import load_benchmark
 from specdecode.machine import ForeignLoad
@@ -19,7 +18,8 @@ def decode_mix(
 ) -> tuple[dict[tuple, list[tuple[float, float]]], float]:
     """{(temperature, *key, benchmark): [(speedup over normal decoding, mean accepted length) per prompt]} for
     every decoder of `decoders` ({key tuple: SpeculativeDecoder}), and the cores other processes used meanwhile.
-    A hybrid forgets earlier outputs before each prompt; every greedy output is checked against normal decoding."""
+    Every drafter forgets earlier outputs before each prompt; every greedy output is checked against normal
+    decoding."""
     normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
     items = [(b, item) for b in BENCHMARKS for item in load_benchmark(b, limit)]
     cells: dict[tuple, list[tuple[float, float]]] = {}
@@ -30,8 +30,7 @@ def decode_mix(
                 ids = target.encode_chat([{"role": "user", "content": item.turns[0]}])
                 base = normal.generate(ids, params, max_new_tokens, seed=0)[0]
                 for key, decoder in decoders.items():
-                    if isinstance(decoder.drafter, HybridDrafter):
-                        decoder.drafter.forget()
+                    decoder.drafter.forget()  # the prompt was decoded before, at another temperature
                     got = decoder.generate(ids, params, max_new_tokens, seed=0)[0]
                     if params.greedy and got.token_ids != base.token_ids:
                         raise SystemExit(f"{key} on {benchmark}/{item.id}: the output differs from normal decoding")
