@@ -40,6 +40,42 @@ def decode_mix(
     return cells, load.cores
 
 
+def report(
+    cells: dict[tuple, list[tuple[float, float]]],
+    decoders: dict[tuple, SpeculativeDecoder],
+    variant: str,
+    extra: dict[str, dict[str, float]] | None = None,
+) -> tuple[list[dict], str]:
+    """The run records (`shared/RESULTS.md`) and the markdown table of `decode_mix`'s cells, for decoders keyed
+    (variant, decoder label); `variant` titles the compared setting's column, `extra` adds columns per variant."""
+    extra = extra or {}
+    columns = list(next(iter(extra.values()), {}))
+    lines = [
+        f"| T | decoder | {variant} | "
+        + "".join(f"{c} | " for c in columns)
+        + "accepted | mean speedup | "
+        + " | ".join(BENCHMARKS)
+        + " |",
+        "|---:|---|---|" + "---:|" * (len(columns) + 2 + len(BENCHMARKS)),
+    ]
+    runs = []
+    for temperature in sorted({key[0] for key in cells}):
+        for (setting, label), decoder in decoders.items():
+            each = {b: cells[(temperature, setting, label, b)] for b in BENCHMARKS}
+            per_benchmark, mean, accepted = summary(each)
+            fields = extra.get(setting, {})
+            runs.append({"drafter": label, "checkpoint": None, "benchmark": "mix", "temperature": temperature,
+                         "draft_length": decoder.draft_length, "tree": None,
+                         "prompts": sum(len(cs) for cs in each.values()), "variant": setting,
+                         **fields, "mean_accepted_length": round(accepted, 3), "speedup": round(mean, 3),
+                         "speedup_median_per_benchmark": per_benchmark,
+                         "identical_to_normal_at_t0": True if temperature == 0 else None, "cells": each})  # fmt: skip
+            values = "".join(f"{fields[c]:.2f} | " for c in columns)
+            row = " | ".join(f"{per_benchmark[b]:.2f}x" for b in BENCHMARKS)
+            lines.append(f"| {temperature:g} | {label} | {setting} | {values}{accepted:.2f} | {mean:.2f}x | {row} |")
+    return runs, "\n".join(lines) + "\n"
+
+
 def summary(cells: dict[str, list[tuple[float, float]]]) -> tuple[dict[str, float], float, float]:
     """Per benchmark the median speedup, their mean, and the mean accepted length, of {benchmark: cells}."""
     per_benchmark = {b: round(statistics.median(c[0] for c in cs), 3) for b, cs in cells.items()}

@@ -10,7 +10,7 @@ decoding.
 import argparse
 import math
 
-from mix_cells import BENCHMARKS, decode_mix, summary
+from mix_cells import decode_mix, report
 
 from specdecode.drafters import build_drafter
 from specdecode.drafters.hybrid import HybridDrafter
@@ -41,23 +41,7 @@ def main() -> None:
         decoders[(odds, "default hybrid, prefix")] = SpeculativeDecoder(target, hybrid, 8, scheduler="prefix")
     temperatures = [float(t) for t in args.temperatures.split(",")]
     cells, foreign = decode_mix(target, decoders, temperatures, args.limit, args.max_new_tokens)
-    lines = [
-        "| T | decoder | suffix odds | accepted | mean speedup | " + " | ".join(BENCHMARKS) + " |",
-        "|---:|---|---|---:|---:|" + "---:|" * len(BENCHMARKS),
-    ]
-    runs = []
-    for temperature in sorted({key[0] for key in cells}):
-        for odds, decoder in decoders:
-            each = {b: cells[(temperature, odds, decoder, b)] for b in BENCHMARKS}
-            per_benchmark, mean, accepted = summary(each)
-            runs.append({"drafter": decoder, "checkpoint": None, "benchmark": "mix", "temperature": temperature,
-                         "draft_length": 8, "tree": None, "prompts": args.limit * len(BENCHMARKS),
-                         "suffix_odds": odds, "mean_accepted_length": round(accepted, 3), "speedup": round(mean, 3),
-                         "speedup_median_per_benchmark": per_benchmark,
-                         "identical_to_normal_at_t0": True if temperature == 0 else None, "cells": each})  # fmt: skip
-            row = " | ".join(f"{per_benchmark[b]:.2f}x" for b in BENCHMARKS)
-            lines.append(f"| {temperature:g} | {decoder} | {odds} | {accepted:.2f} | {mean:.2f}x | {row} |")
-    table = "\n".join(lines) + "\n"
+    runs, table = report(cells, decoders, "suffix odds")
     write_results(args.name, args.out, target.name, runs, table, max_new_tokens=args.max_new_tokens,
                   prompts_per_benchmark=args.limit, foreign_load_cores_max=round(foreign, 3))  # fmt: skip
     print(table)
