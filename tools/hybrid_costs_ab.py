@@ -12,16 +12,15 @@ greedy output is checked against normal decoding.
 import argparse
 import statistics
 
-from specdecode.drafters import Drafter, build_drafter
+from mix_cells import BENCHMARKS, decode_mix, summary
+
+from specdecode.drafters import build_drafter
 from specdecode.drafters.hybrid import HybridDrafter, RoundCosts, round_costs
 from specdecode.drafters.shipped import shipped_drafter
 from specdecode.engine.decode import SpeculativeDecoder
-from specdecode.evaluation.benchmarks import load_benchmark
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
-from specdecode.sampling import SamplingParams
 
-BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench")
 FIRST_CALL_RATIO = 2.04  # model round / light round as priced before stop 43 (this machine's cached costs then)
 
 
@@ -46,43 +45,24 @@ def main() -> None:
         "all 8 positions (before stop 45)": RoundCosts.flat(costs.light(), costs.model(7)),
         "first call (before stop 43)": RoundCosts.flat(costs.light(), FIRST_CALL_RATIO * costs.light()),
     }
-    normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
     # one hybrid per pricing for the whole run, as in a server or `specdecode eval`: what it learns of its model's
     # yield carries over from prompt to prompt (each prompt decoded from a drafter that forgot earlier outputs)
     hybrids = {
-        name: SpeculativeDecoder(target, HybridDrafter(model, costs=costs), 8, scheduler="prefix")
+        (name,): SpeculativeDecoder(target, HybridDrafter(model, costs=costs), 8, scheduler="prefix")
         for name, costs in pricings.items()
     }
-    items = [(b, item) for b in BENCHMARKS for item in load_benchmark(b, args.limit)]
-    cells: dict[tuple[float, str, str], list[tuple[float, float, float]]] = {}
-    for temperature in [float(t) for t in args.temperatures.split(",")]:
-        params = SamplingParams(temperature=temperature)
-        for benchmark, item in items:
-            ids = target.encode_chat([{"role": "user", "content": item.turns[0]}])
-            base = normal.generate(ids, params, args.max_new_tokens, seed=0)[0]
-            for name, hybrid in hybrids.items():
-                hybrid.drafter.forget()
-                got = hybrid.generate(ids, params, args.max_new_tokens, seed=0)[0]
-                if params.greedy and got.token_ids != base.token_ids:
-                    raise SystemExit(f"{name} on {benchmark}/{item.id}: the output differs from normal decoding")
-                stats = got.stats
-                model_share = stats.proposers.get("model", 0) / max(1, len(stats.accepted_lengths))
-                accepted = statistics.mean(stats.accepted_lengths)
-                cells.setdefault((temperature, name, benchmark), []).append(
-                    (stats.tokens_per_s / base.stats.tokens_per_s, accepted, model_share)
-                )
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    cells, foreign = decode_mix(target, hybrids, temperatures, args.limit, args.max_new_tokens)
     header = "| T | model round priced by (3 / 7 drafts verified) | mean speedup | " + " | ".join(BENCHMARKS)
     header += " | accepted | model rounds |"
     runs, lines = [], [header, "|---|---|---:|" + "---:|" * (len(BENCHMARKS) + 2)]
     for temperature in sorted({t for t, _, _ in cells}):
         for name, pricing in pricings.items():
             each = {b: cells[(temperature, name, b)] for b in BENCHMARKS}
-            per_benchmark = {b: round(statistics.median(c[0] for c in cs), 3) for b, cs in each.items()}
-            mean = statistics.mean(per_benchmark.values())
-            accepted = statistics.mean(c[1] for cs in each.values() for c in cs)
+            per_benchmark, mean, accepted = summary(each)
             share = statistics.mean(c[2] for cs in each.values() for c in cs)
             runs.append({"drafter": "default", "checkpoint": None, "benchmark": "mix", "temperature": temperature,
-                         "draft_length": 8, "tree": None, "prompts": len(items), "pricing": name,
+                         "draft_length": 8, "tree": None, "prompts": args.limit * len(BENCHMARKS), "pricing": name,
                          "model_round_over_light_round_at_3_and_7_verified": prices(pricing), "speedup": round(mean, 3),
                          "speedup_mean_of_benchmark_medians": round(mean, 3), "speedup_median_per_benchmark":
                          per_benchmark, "mean_accepted_length": round(accepted, 3), "model_round_share":
@@ -94,7 +74,8 @@ def main() -> None:
                          f"{accepted:.2f} | {share:.0%} |")  # fmt: skip
     table = "\n".join(lines) + "\n"
     write_results(args.name, args.out, target.name, runs, table, max_new_tokens=args.max_new_tokens,
-                  prompts_per_benchmark=args.limit, passes_s=list(costs.passes), drafting_s=costs.drafting)  # fmt: skip
+                  prompts_per_benchmark=args.limit, passes_s=list(costs.passes), drafting_s=costs.drafting,
+                  foreign_load_cores_max=round(foreign, 3))  # fmt: skip
     print(table)
 
 

@@ -13,16 +13,19 @@ from specdecode.sampling import SamplingParams
 BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench")
 
 
+Cell = tuple[float, float, float]  # speedup over normal decoding, mean accepted length, model's share of rounds
+
+
 def decode_mix(
     target: Target, decoders: dict, temperatures: list[float], limit: int, max_new_tokens: int
-) -> tuple[dict[tuple, list[tuple[float, float]]], float]:
-    """{(temperature, *key, benchmark): [(speedup over normal decoding, mean accepted length) per prompt]} for
-    every decoder of `decoders` ({key tuple: SpeculativeDecoder}), and the cores other processes used meanwhile.
-    Every drafter forgets earlier outputs before each prompt; every greedy output is checked against normal
-    decoding."""
+) -> tuple[dict[tuple, list[Cell]], float]:
+    """{(temperature, *key, benchmark): [a `Cell` per prompt]} for every decoder of `decoders` ({key tuple:
+    SpeculativeDecoder}), and the cores other processes used meanwhile. The model's share is of the rounds
+    whose verified drafts a hybrid's model made (0 for other drafters). Every drafter forgets earlier outputs
+    before each prompt; every greedy output is checked against normal decoding."""
     normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
     items = [(b, item) for b in BENCHMARKS for item in load_benchmark(b, limit)]
-    cells: dict[tuple, list[tuple[float, float]]] = {}
+    cells: dict[tuple, list[Cell]] = {}
     with ForeignLoad() as load:
         for temperature in temperatures:
             params = SamplingParams(temperature=temperature)
@@ -34,14 +37,15 @@ def decode_mix(
                     got = decoder.generate(ids, params, max_new_tokens, seed=0)[0]
                     if params.greedy and got.token_ids != base.token_ids:
                         raise SystemExit(f"{key} on {benchmark}/{item.id}: the output differs from normal decoding")
-                    accepted = statistics.mean(got.stats.accepted_lengths)
-                    speedup = got.stats.tokens_per_s / base.stats.tokens_per_s
-                    cells.setdefault((temperature, *key, benchmark), []).append((speedup, accepted))
+                    stats = got.stats
+                    model_share = stats.proposers.get("model", 0) / max(1, len(stats.accepted_lengths))
+                    cell = (stats.tokens_per_s / base.stats.tokens_per_s, stats.mean_accepted_length, model_share)
+                    cells.setdefault((temperature, *key, benchmark), []).append(cell)
     return cells, load.cores
 
 
 def report(
-    cells: dict[tuple, list[tuple[float, float]]],
+    cells: dict[tuple, list[Cell]],
     decoders: dict[tuple, SpeculativeDecoder],
     variant: str,
     extra: dict[str, dict[str, float]] | None = None,
@@ -76,7 +80,7 @@ def report(
     return runs, "\n".join(lines) + "\n"
 
 
-def summary(cells: dict[str, list[tuple[float, float]]]) -> tuple[dict[str, float], float, float]:
+def summary(cells: dict[str, list[Cell]]) -> tuple[dict[str, float], float, float]:
     """Per benchmark the median speedup, their mean, and the mean accepted length, of {benchmark: cells}."""
     per_benchmark = {b: round(statistics.median(c[0] for c in cs), 3) for b, cs in cells.items()}
     accepted = statistics.mean(c[1] for cs in cells.values() for c in cs)

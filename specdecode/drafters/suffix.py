@@ -189,7 +189,8 @@ class RequestCalibration:
 
     @property
     def factor(self) -> float:
-        return self.survived / self.expected
+        """1 under an infinite prior: the table's odds as they are."""
+        return 1.0 if math.isinf(self.expected) else self.survived / self.expected
 
     def record(self, odds: float, survived: bool) -> None:
         self.expected += odds
@@ -307,10 +308,7 @@ class SuffixDrafter(Drafter):
 
     def _odds(self, cell: int) -> float:
         """A draft's survival odds in this request: the shared table's, times the request's factor."""
-        odds = self.table.confidence(cell)
-        if math.isinf(self.settings.calibration_prior):
-            return odds
-        return min(1.0, odds * self.calibration.factor)
+        return min(1.0, self.table.confidence(cell) * self.calibration.factor)
 
     def _paying_length(self, confidences: list[float], cap: int) -> tuple[int, float]:
         """The number of drafts with the most expected tokens per second, (1 + drafts expected to survive) x
