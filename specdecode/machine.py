@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -84,6 +85,18 @@ def quiet_samples(measure: Callable[[], T], count: int) -> list[T]:
         if len(kept) == count:
             break
     return kept
+
+
+def ratio_medians(sweeps: list[list[float]], reference: int = 0) -> list[float]:
+    """Column j: the median over sweeps of (column j / column `reference`) of the same sweep, times the median of
+    column `reference`. A cost table is read as ratios (a pass over k positions against one over 1, a round
+    with drafting against one without), and this machine's passes drift from sweep to sweep (memory state,
+    frequency), so medians of the columns taken apart, each from another sweep, spread their ratios further. On
+    the Zen 3 EPYC, over windows of 40 sweeps (sd of the ratio; results/cost_estimates_ab.md): a model round's
+    drafting against a one-position pass 0.018 that way, 0.014 this way; a four-position pass 0.062 and 0.049."""
+    ratios = [[sweep[j] / sweep[reference] for sweep in sweeps] for j in range(len(sweeps[0]))]
+    scale = statistics.median(sweep[reference] for sweep in sweeps)
+    return [statistics.median(column) * scale for column in ratios]
 
 
 def measure_quietly(fn, retries: int = 3):

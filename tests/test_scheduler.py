@@ -144,6 +144,16 @@ def test_profile_measures_again_a_sweep_while_others_were_busy(monkeypatch):
     assert measured[1] < 0.01  # no 100x sweep in the medians (quiet: 0.2 ms per pass of 2 tokens)
 
 
+def test_cost_ratios_are_the_ones_most_sweeps_measured():
+    """Decisions read a cost table as ratios. When the machine drifts between sweeps, each column's own median can
+    come from another sweep: here two of three sweeps measured the second column at 2.2x the first, yet the
+    columns' medians (2 and 3) say 1.5x; `ratio_medians` keeps 2.2x at the reference column's median."""
+    sweeps = [[1.0, 2.2], [2.0, 3.0], [3.0, 6.6]]
+    reference, second = machine.ratio_medians(sweeps)
+    assert reference == 2.0 and second == pytest.approx(4.4)
+    assert machine.ratio_medians(sweeps, reference=1) == pytest.approx([3.0 / 2.2, 3.0])  # 1 / 2.2 of column 1's 3
+
+
 def test_replay_counts_tokens_and_costs():
     from specdecode.evaluation.scheduler_bench import replay
     from specdecode.training.calibration import Rounds

@@ -1,12 +1,15 @@
 """One-request decoding with the default hybrid (suffix + shipped DSpark, prefix scheduler) under pricings of a
 round with the model's drafts: as measured since stop 45 (its drafting plus a pass over the drafts the
-scheduler verifies, `RoundCosts.model`), as before (a pass over all 8 positions, since stop 43 with the drafting
-of a request's second call), and as before stop 43 (2.04 normal steps: the model's first call, which also
-projects the whole prompt's target features), interleaved prompt by prompt, each against normal decoding in
-the same run. Each pricing keeps one hybrid for the whole run, as a server or `specdecode eval` does. Every
-greedy output is checked against normal decoding.
+scheduler verifies, `RoundCosts.model`; since stop 55 from 40 sweeps of ratio medians), with the costs that
+stop 54 had cached (five sweeps of column medians, an outlier of that estimate: the drafting at 0.56
+one-position passes, a four-position pass at 1.71, where long runs of sweeps measure ~0.49 and ~1.43), as before
+stop 45 (a pass over all 8 positions, since stop 43 with the drafting of a request's second call), and as before
+stop 43 (2.04 normal steps: the model's first call, which also projects the whole prompt's target features),
+interleaved prompt by prompt, each against normal decoding in the same run. Each pricing keeps one hybrid for
+the whole run, as a server or `specdecode eval` does. Every greedy output is checked against normal decoding.
 
     python tools/hybrid_costs_ab.py --limit 4 --out docs/results --name hybrid_costs_ab
+    python tools/hybrid_costs_ab.py --limit 4 --pricings "measured,stop 54 cache" --name cost_outlier_ab
 """
 
 import argparse
@@ -22,6 +25,9 @@ from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
 
 FIRST_CALL_RATIO = 2.04  # model round / light round as priced before stop 43 (this machine's cached costs then)
+# stop 54's cached round costs on the Zen 3 EPYC, in one-position passes: passes over 1 .. 8 positions, drafting
+STOP54_PASSES = (1.0, 1.158, 1.436, 1.714, 2.135, 2.588, 1.966, 1.892)
+STOP54_DRAFTING = 0.563
 
 
 def prices(costs: RoundCosts) -> list[float]:
@@ -36,15 +42,22 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--name", default="hybrid_costs_ab")
+    parser.add_argument("--pricings", default="measured,stop 54 cache,all 8,first call", help="which, comma-separated")
     args = parser.parse_args()
     target = Target.load()
     model = build_drafter(str(shipped_drafter(target.name)), target)
     costs = round_costs(target, model)
+    light = costs.light()
     pricings = {
-        "verified drafts (shipped)": costs,
-        "all 8 positions (before stop 45)": RoundCosts.flat(costs.light(), costs.model(7)),
-        "first call (before stop 43)": RoundCosts.flat(costs.light(), FIRST_CALL_RATIO * costs.light()),
+        "measured": ("verified drafts (shipped)", costs),
+        "stop 54 cache": (
+            "stop 54's cached costs",
+            RoundCosts(tuple(r * light for r in STOP54_PASSES), STOP54_DRAFTING * light),
+        ),
+        "all 8": ("all 8 positions (before stop 45)", RoundCosts.flat(light, costs.model(7))),
+        "first call": ("first call (before stop 43)", RoundCosts.flat(light, FIRST_CALL_RATIO * light)),
     }
+    pricings = dict(pricings[p.strip()] for p in args.pricings.split(","))
     # one hybrid per pricing for the whole run, as in a server or `specdecode eval`: what it learns of its model's
     # yield carries over from prompt to prompt (each prompt decoded from a drafter that forgot earlier outputs)
     hybrids = {

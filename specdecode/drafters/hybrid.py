@@ -23,7 +23,6 @@ sampled chain by its own tokens would bias the output, as a retrospective schedu
 import copy
 import itertools
 import json
-import statistics
 import time
 from dataclasses import dataclass, field, replace
 
@@ -39,7 +38,7 @@ from specdecode.drafters.base import (
 )
 from specdecode.drafters.suffix import SuffixDrafter, expected_accepted
 from specdecode.drafters.yields import DraftYield, Exploration
-from specdecode.machine import machine_info, measurement_file, quiet_samples
+from specdecode.machine import machine_info, measurement_file, quiet_samples, ratio_medians
 from specdecode.models.linear import kernels_digest
 from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
@@ -77,19 +76,26 @@ class SharedEstimates:
     exploration: Exploration = field(default_factory=lambda: Exploration(without=0))
 
 
-def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 5) -> RoundCosts:
-    """Median seconds of passes over 1 .. 8 positions and of the model drafting 7 tokens, after `context`
-    tokens. Measured together, once, and cached per machine, target and drafter under
-    `$XDG_CACHE_HOME/specdecode/sps/`. Until stop 45 a model round was priced at a pass over all 8 positions,
-    while the prefix scheduler verified 3.8 drafts of its 7 on average at T=0 and 3.0 at T=1 (six GSM8K,
-    MT-Bench and HumanEval prompts): on a Zen 4 EPYC that priced it at 1.46-1.71 normal steps (the machine's two
-    memory states), where with 3 drafts verified it cost 1.27 in the first, and at T=1 the model sat out most
-    rounds. (Before that, a four-position pass for both kinds of round priced
-    a round without the model at 1.5-1.7x a normal step once the runner's one-row pass got cheap: `specdecode
-    demo` prompt 3 at 0.76-0.88x.) The drafting timed is a request's second round (`in_second_round`): timing
-    its first call priced a model round at 2.0x a normal step instead of ~1.4x. It follows a one-position pass,
-    which leaves the caches holding the target's weights, not the drafter's, as in decoding (drafting after a
-    target pass: 2.2 ms against 1.7 ms right after drafting)."""
+ROUND_COST_SWEEPS = 40  # ~4 s for SmolLM2 and the shipped DSpark on 2 cores, once per machine
+
+
+def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = ROUND_COST_SWEEPS) -> RoundCosts:
+    """Seconds of passes over 1 .. 8 positions and of the model drafting 7 tokens, after `context` tokens: the
+    one-position pass's median over `reps` sweeps, the rest at their median ratio to it within a sweep
+    (`ratio_medians`). Measured together, once, and cached per machine, target and drafter under
+    `$XDG_CACHE_HOME/specdecode/sps/`. Five sweeps of column medians, as before stop 55, spread a model round's
+    price widely: on the Zen 3 EPYC a four-position pass came out anywhere from 1.12 to 1.81 one-position passes
+    (sd 0.10; 40 sweeps of ratio medians: 1.26-1.55, sd 0.05; 1,400 sweeps together: 1.43), the drafting from
+    0.38 to 0.60 (0.46-0.51; 0.49) (results/cost_estimates_ab.md). The cached table then in use said 1.71 and
+    0.56; yet the hybrid with those costs ran the mix at 1.24x / 1.05x normal decoding (T = 0 / 1) against 1.21x /
+    0.97x with 40 sweeps' (one interleaved run, 20 prompts; results/cost_outlier_ab.md): rounds inside decoding
+    cost more than these sweeps say (a model round verifying 3 drafts 1.85-2.15 normal rounds where priced at
+    1.78, a suffix round with 1 draft 1.13-1.30 where priced at 1.08; results/round_shapes*.md), and the outlier
+    happened to sit nearer. Until stop 45 a model round was priced at a pass over all 8 positions, while the
+    prefix scheduler verified 3.8 drafts of its 7 on average at T=0 and 3.0 at T=1. The drafting timed is a
+    request's second round (`in_second_round`): timing its first call priced a model round at 2.0x a normal step
+    instead of ~1.4x. It follows a one-position pass, which leaves the caches holding the target's weights, not
+    the drafter's, as in decoding (drafting after a target pass: 2.2 ms against 1.7 ms right after drafting)."""
     key = {
         "passes": list(range(1, 9)),
         "drafting": "alone, second round, after a target pass",
@@ -98,6 +104,8 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
         "dtype": str(target.dtype),
         "hybrid_round_costs": cost_digest(model),
         "context": context,
+        "sweeps": reps,
+        "estimate": "ratio medians to a one-position pass",
         "machine": machine_info(),
         "kernels": kernels_digest(),
     }
@@ -108,6 +116,14 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
             return RoundCosts(tuple(cached["passes_s"]), cached["drafting_s"])
         except (json.JSONDecodeError, KeyError, TypeError):
             pass  # a damaged entry is measured again
+    drafting_s, *passes_s = ratio_medians(round_cost_sweeps(target, model, context, reps), reference=1)
+    path.write_text(json.dumps({"key": key, "passes_s": passes_s, "drafting_s": drafting_s}, indent=1) + "\n")
+    return RoundCosts(tuple(passes_s), drafting_s)
+
+
+def round_cost_sweeps(target: Target, model: Drafter, context: int, reps: int) -> list[list[float]]:
+    """`reps` sweeps of [the model's drafting, a pass over 1, ..., over 8 positions] in seconds, after a warm-up;
+    a sweep while other processes were busy is measured again (`quiet_samples`). The target's cache is reset."""
     ids = [(7 * i) % target.config.vocab_size for i in range(context)]
     target.set_capture_layers(model.target_layer_ids)
     target.reset()
@@ -133,11 +149,9 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
         return seconds
 
     one_sweep()  # warm-up
-    sweeps = quiet_samples(one_sweep, reps)  # a sweep while others were busy is measured again
+    sweeps = quiet_samples(one_sweep, reps)
     target.reset()
-    drafting_s, *passes_s = (statistics.median(column) for column in zip(*sweeps, strict=True))
-    path.write_text(json.dumps({"key": key, "passes_s": passes_s, "drafting_s": drafting_s}, indent=1) + "\n")
-    return RoundCosts(tuple(passes_s), drafting_s)
+    return sweeps
 
 
 class HybridDrafter(Drafter):

@@ -9,7 +9,6 @@ beyond the last size it is extrapolated with the last segment's slope.
 
 import bisect
 import json
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.machine import machine_info, measurement_file, quiet_samples
+from specdecode.machine import machine_info, measurement_file, quiet_samples, ratio_medians
 from specdecode.models.linear import kernels_digest
 
 if TYPE_CHECKING:
@@ -58,9 +57,10 @@ def profile_steps(
     reps: int = 5,
     prepare: Callable[[int], None] | None = None,
 ) -> list[float]:
-    """Median seconds of `run_pass(B)` at each size, sizes interleaved so drift hits all of them alike; a
-    sweep during which other processes were busy is measured again (`quiet_samples`). `prepare(B)`, untimed,
-    runs before each pass (state that a pass uses up)."""
+    """Seconds of `run_pass(B)` at each size over `reps` sweeps of every size, sizes interleaved so drift hits
+    all of them alike: the first size's median, the others at their median ratio to it within a sweep
+    (`ratio_medians`). A sweep during which other processes were busy is measured again (`quiet_samples`).
+    `prepare(B)`, untimed, runs before each pass (state that a pass uses up)."""
     if len(sizes) < 2 or list(sizes) != sorted(set(sizes)):
         raise SpecDecodeError(f"profile sizes must be at least two increasing token counts, got {sizes}")
     prepare = prepare or (lambda b: None)
@@ -77,7 +77,7 @@ def profile_steps(
         return seconds
 
     sweeps = quiet_samples(sweep, reps)
-    return [statistics.median(s[b] for s in sweeps) for b in sizes]
+    return ratio_medians([[s[b] for b in sizes] for s in sweeps])
 
 
 def load_or_profile(
@@ -90,7 +90,8 @@ def load_or_profile(
 ) -> StepCostTable:
     """The cached table for `key` (plus this machine's identity and the runner kernels' build), profiling it
     first when missing (`profile_steps`)."""
-    key = {**key, "machine": machine_info(), "kernels": kernels_digest(), "sizes": list(sizes)}
+    key = {**key, "machine": machine_info(), "kernels": kernels_digest(), "sizes": list(sizes), "sweeps": reps}
+    key["estimate"] = "ratio medians"
     path = measurement_file("sps", key)
     if path.exists() and not refresh:
         try:
@@ -103,9 +104,12 @@ def load_or_profile(
 
 
 def profile_target(
-    target: "Target", context: int = 256, sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 5, refresh: bool = False
+    target: "Target", context: int = 256, sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 15, refresh: bool = False
 ) -> StepCostTable:
-    """SPS(B) of one request's verify pass: B new tokens after `context` cached ones (the cache is reset)."""
+    """SPS(B) of one request's verify pass: B new tokens after `context` cached ones (the cache is reset). Fifteen
+    sweeps (~6 s for SmolLM2 on 2 cores, once per machine): with five, a pass over three positions came out at
+    1.10x one on the Zen 3 EPYC where sweeps around it measured 1.17-1.22x, and suffix drafts priced by it lost
+    at temperature 1."""
     prefilled = False
 
     def run_pass(num_tokens: int) -> None:
