@@ -51,6 +51,9 @@ def test_benchmark_shapes_and_order() -> None:
     first = load_benchmark("humaneval")[0]
     assert first.id == "HumanEval/0" and "def has_close_elements(" in first.turns[0] and '"""' in first.turns[0]
     assert [i.id for i in load_benchmark("gsm8k", limit=3)] == ["gsm8k-0", "gsm8k-1", "gsm8k-2"]
+    assert load_benchmark("gsm8k")[0].reference.endswith("#### 18")  # the solution, ending in its answer
+    assert first.reference.lstrip().startswith("for idx, elem in enumerate(numbers):")  # the canonical body
+    assert all(i.reference is None for i in mt)  # MT-Bench has no single reference answer
 
 
 def test_unknown_benchmark_lists_names() -> None:

@@ -1,7 +1,7 @@
 """One-request decoding of benchmark prompts: fixed chains, the prefix scheduler with the drafting gate (its
 yield means as shipped, and with the short memory of before stop 42), and the prefix scheduler without the
-gate, interleaved prompt by prompt, each against normal decoding in the same run. Every greedy output is
-checked against normal decoding.
+gate, interleaved prompt by prompt, each against normal decoding in the same run (`mix_cells.decode_mix`). Every
+greedy output is checked against normal decoding.
 
     python tools/gate_ab.py --drafter specdecode/drafters/shipped/smollm2-135m --limit 3 --out docs/results
 """
@@ -9,14 +9,13 @@ checked against normal decoding.
 import argparse
 import statistics
 
-from specdecode.drafters import Drafter, build_drafter, yields
+from mix_cells import BENCHMARKS, decode_mix
+
+from specdecode.drafters import build_drafter, yields
 from specdecode.engine.decode import SpeculativeDecoder
-from specdecode.evaluation.benchmarks import load_benchmark
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
-from specdecode.sampling import SamplingParams
 
-BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench")
 # (scheduler, gate, (PRIOR_ROUNDS, WINDOW) of the gate's yield means); (4, 5) weighs every round 0.2, as the
 # 0.8 decay before stop 42 did
 VARIANTS = {
@@ -38,29 +37,23 @@ def main() -> None:
     parser.add_argument("--name", default="gate_ab")
     args = parser.parse_args()
     target = Target.load()
-    normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
     decoders = {
-        name: SpeculativeDecoder(
+        (name,): SpeculativeDecoder(
             target, build_drafter(args.drafter, target), args.draft_length, scheduler=scheduler, gate=gate
         )
         for name, (scheduler, gate, _) in VARIANTS.items()
     }
     shipped = VARIANTS["prefix + gate"][2]
-    items = [(b, item) for b in BENCHMARKS for item in load_benchmark(b, args.limit)]
-    ratios: dict[tuple[str, float, str], list[float]] = {}
-    for temperature in [float(t) for t in args.temperatures.split(",")]:
-        params = SamplingParams(temperature=temperature)
-        for benchmark, item in items:
-            ids = target.encode(item.turns[0])
-            base = normal.generate(ids, params, args.max_new_tokens)[0]
-            for name, (_, _, memory) in VARIANTS.items():
-                yields.PRIOR_ROUNDS, yields.WINDOW = memory or shipped
-                got = decoders[name].generate(ids, params, args.max_new_tokens)[0]
-                if params.greedy and got.token_ids != base.token_ids:
-                    raise SystemExit(f"{name} on {benchmark}/{item.id}: the output differs from normal decoding")
-                ratio = got.stats.tokens_per_s / base.stats.tokens_per_s
-                ratios.setdefault((name, temperature, benchmark), []).append(ratio)
+
+    def memory(key: tuple) -> None:  # the gate's yield means, as each variant has them
+        yields.PRIOR_ROUNDS, yields.WINDOW = VARIANTS[key[0]][2] or shipped
+
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    try:
+        cells, _ = decode_mix(target, decoders, temperatures, args.limit, args.max_new_tokens, before=memory)
+    finally:
         yields.PRIOR_ROUNDS, yields.WINDOW = shipped
+    ratios = {(name, t, b): [c[0] for c in cs] for (t, name, b), cs in cells.items()}
     header = "| T | variant | median speedup | " + " | ".join(BENCHMARKS) + " |"
     runs, lines = [], [header, "|---|---|---:|" + "---:|" * len(BENCHMARKS)]
     for temperature in sorted({t for _, t, _ in ratios}):
@@ -70,8 +63,8 @@ def main() -> None:
             per_benchmark = {b: round(statistics.median(rs), 3) for b, rs in each.items()}
             runs.append({"temperature": temperature, "variant": name, "speedup_median": round(overall, 3),
                          "speedup_median_per_benchmark": per_benchmark, "speedups": each})  # fmt: skip
-            cells = " | ".join(f"{per_benchmark[b]:.2f}x" for b in BENCHMARKS)
-            lines.append(f"| {temperature:g} | {name} | {overall:.2f}x | {cells} |")
+            row = " | ".join(f"{per_benchmark[b]:.2f}x" for b in BENCHMARKS)
+            lines.append(f"| {temperature:g} | {name} | {overall:.2f}x | {row} |")
     table = "\n".join(lines) + "\n"
     write_results(args.name, args.out, target.name, runs, table, max_new_tokens=args.max_new_tokens,
                   draft_length=args.draft_length, prompts_per_benchmark=args.limit)  # fmt: skip

