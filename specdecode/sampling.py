@@ -87,3 +87,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     if index == SAMPLE_BLOCK:  # `rest` reached the block's own total, which rounds apart from its vectorised sum
         index = int(torch.searchsorted(cdf, cdf[-1]))  # the block's last token of nonzero weight
     return block * SAMPLE_BLOCK + index
+
+
+def sample_weights(weights: list[float], generator: torch.Generator | None = None) -> int:
+    """`sample` for a few weights held as Python floats (a block verification's stopping odds: k + 1 a round):
+    the same one uniform number and CDF inversion, as a scan; a tensor and `sample`'s two levels cost ~0.06 ms
+    a call, a tenth of a sampled round's verification. A zero weight is never drawn."""
+    total = sum(weights)  # the scan's last running sum, bit for bit: the same additions in the same order
+    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * total
+    running = 0.0
+    for index, weight in enumerate(weights):
+        running += weight
+        if u < running:
+            return index
+    return max(i for i, weight in enumerate(weights) if weight > 0)  # u rounded up to the total

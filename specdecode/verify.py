@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters.base import TreeProposal
-from specdecode.sampling import sample
+from specdecode.sampling import sample, sample_weights
 
 SAMPLED_CHAIN_RULE = "block verification"  # what decides kept drafts at T > 0 (recorded rounds depend on it)
 
@@ -154,7 +154,7 @@ def verify_block(
     if not drafts:  # normal sampling (and every row of a batch that drafted nothing): no draw of tau to pay for
         return ChainResult(tokens=[sample(target_probs[0], generator)], num_accepted=0)
     weights, stops = block_acceptance(target_probs, draft_tokens, draft_probs, support)
-    tau = sample(torch.tensor(stops, dtype=torch.float64), generator)
+    tau = sample_weights(stops, generator)
     if tau == len(drafts):
         return ChainResult(tokens=drafts + [sample(target_probs[tau], generator)], num_accepted=tau)
     p = target_probs[tau]

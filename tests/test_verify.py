@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from specdecode.sampling import SAMPLE_BLOCK, SamplingParams, probabilities, sample
+from specdecode.sampling import SAMPLE_BLOCK, SamplingParams, probabilities, sample, sample_weights
 from specdecode.verify import ChainResult, block_acceptance, verify_block, verify_greedy
 
 V = 6
@@ -284,6 +284,16 @@ def test_sample_follows_the_distribution_and_never_draws_a_zero():
     counts = Counter(sample(probs, generator) for _ in range(n))
     assert counts[0] == counts[2] == 0
     assert chi_square_pvalue(counts, {i: float(p) for i, p in enumerate(probs)}, n) > 0.001
+
+
+def test_sampling_a_few_float_weights_follows_them_and_never_draws_a_zero():
+    """A block's stopping odds are drawn from a Python list (`sample_weights`): unnormalised, zeros anywhere."""
+    weights = [0.0, 0.9, 0.0, 0.1, 0.6, 0.4, 0.0]
+    generator = torch.Generator().manual_seed(11)
+    n = 20000
+    counts = Counter(sample_weights(weights, generator) for _ in range(n))
+    assert counts[0] == counts[2] == counts[6] == 0
+    assert chi_square_pvalue(counts, {i: w / 2.0 for i, w in enumerate(weights)}, n) > 0.001
 
 
 def test_sample_finds_weights_across_blocks_of_its_cdf():
