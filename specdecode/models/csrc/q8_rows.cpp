@@ -195,16 +195,20 @@ torch::Tensor q8_rows_linear(torch::Tensor x, torch::Tensor w) {
               "q8_rows_linear: float32 x (M, K), interleaved Q4_1 or Q8_0 groups w (N / 8, K / 32, 160 or 272)");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * kGroupRows;
-  auto q = torch::empty({M, K}, x.options().dtype(at::kChar));
-  auto scales = torch::empty({M, K / 32, 2}, x.options());
-  auto* xs = reinterpret_cast<InputScale*>(scales.data_ptr<float>());
-  for (int64_t i = 0; i < M; ++i)
-    quantize_row(x.data_ptr<float>() + i * K, q.data_ptr<int8_t>() + i * K, xs + i * (K / 32), K);
+  // The rounded inputs live in buffers of the calling thread, reused call after call: as two tensors a call they
+  // were 240 of the ~400 tensor allocations of a one-token pass through the C++ layer loop.
+  thread_local std::vector<int8_t> rounded;
+  thread_local std::vector<InputScale> scales;
+  if (rounded.size() < static_cast<size_t>(M * K)) rounded.resize(M * K);
+  if (scales.size() < static_cast<size_t>(M * K / 32)) scales.resize(M * K / 32);
+  int8_t* xq = rounded.data();
+  InputScale* xs = scales.data();
+  for (int64_t i = 0; i < M; ++i) quantize_row(x.data_ptr<float>() + i * K, xq + i * K, xs + i * (K / 32), K);
   auto y = torch::empty({M, N}, x.options());
   if (bytes == Q4_1Groups::kBytes)
-    q8_linear_by_rows<Q4_1Groups>(q.data_ptr<int8_t>(), xs, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, K, N);
+    q8_linear_by_rows<Q4_1Groups>(xq, xs, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, K, N);
   else
-    q8_linear_by_rows<Q8_0Groups>(q.data_ptr<int8_t>(), xs, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, K, N);
+    q8_linear_by_rows<Q8_0Groups>(xq, xs, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, K, N);
   return y;
 }
 
