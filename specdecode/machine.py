@@ -94,7 +94,10 @@ def ratio_medians(sweeps: list[list[float]], reference: int = 0) -> list[float]:
     frequency), so medians of the columns taken apart, each from another sweep, spread their ratios further. On
     the Zen 3 EPYC, over windows of 40 sweeps (sd of the ratio; results/cost_estimates_ab.md): a model round's
     drafting against a one-position pass 0.018 that way, 0.014 this way; a four-position pass 0.062 and 0.049."""
-    ratios = [[sweep[j] / sweep[reference] for sweep in sweeps] for j in range(len(sweeps[0]))]
+    timed = [sweep for sweep in sweeps if sweep[reference] > 0]  # a pass too short for the clock gives no ratio
+    if not timed:
+        return [statistics.median(column) for column in zip(*sweeps, strict=True)]
+    ratios = [[sweep[j] / sweep[reference] for sweep in timed] for j in range(len(sweeps[0]))]
     scale = statistics.median(sweep[reference] for sweep in sweeps)
     return [statistics.median(column) * scale for column in ratios]
 

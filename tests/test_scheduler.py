@@ -152,6 +152,7 @@ def test_cost_ratios_are_the_ones_most_sweeps_measured():
     reference, second = machine.ratio_medians(sweeps)
     assert reference == 2.0 and second == pytest.approx(4.4)
     assert machine.ratio_medians(sweeps, reference=1) == pytest.approx([3.0 / 2.2, 3.0])  # 1 / 2.2 of column 1's 3
+    assert machine.ratio_medians([[0.0, 1.0], [0.0, 3.0], [0.0, 2.0]]) == [0.0, 2.0]  # no ratio to a 0 s pass
 
 
 def test_replay_counts_tokens_and_costs():
