@@ -8,9 +8,7 @@ is checked against normal decoding.
     python tools/drafter_rounding_ab.py --limit 4 --out docs/results --name drafter_rounding_ab
 """
 
-import argparse
-
-from mix_cells import decode_mix, report
+from mix_cells import decode_mix, mix_parser, report
 
 from specdecode.drafters.checkpoint import frozen, load_model
 from specdecode.drafters.dspark import BlockDrafter
@@ -24,13 +22,8 @@ ROUNDINGS = {"float32 weights and inputs": False, "Q8_0 rows, 8-bit inputs": Tru
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", type=int, default=4, help="prompts per benchmark")
-    parser.add_argument("--temperatures", default="0,1")
-    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser = mix_parser(__doc__, "drafter_rounding_ab")
     parser.add_argument("--draft-length", type=int, default=7)
-    parser.add_argument("--out", default="docs/results")
-    parser.add_argument("--name", default="drafter_rounding_ab")
     args = parser.parse_args()
     target = Target.load()
     if not target.eight_bit_inputs:
@@ -45,8 +38,7 @@ def main() -> None:
         decoders[(rounding, "dspark alone")] = SpeculativeDecoder(target, drafter, args.draft_length)
         hybrid = HybridDrafter(drafter, costs=costs)
         decoders[(rounding, "default hybrid, prefix")] = SpeculativeDecoder(target, hybrid, 8, scheduler="prefix")
-    temperatures = [float(t) for t in args.temperatures.split(",")]
-    cells, foreign = decode_mix(target, decoders, temperatures, args.limit, args.max_new_tokens)
+    cells, foreign = decode_mix(target, decoders, args.temperatures, args.limit, args.max_new_tokens)
     runs, table = report(cells, decoders, "drafter's linears", {r: {"round ms": ms} for r, ms in round_ms.items()})
     write_results(args.name, args.out, target.name, runs, table, max_new_tokens=args.max_new_tokens,
                   prompts_per_benchmark=args.limit, foreign_load_cores_max=round(foreign, 3))  # fmt: skip

@@ -6,10 +6,9 @@ greedy output is checked against normal decoding.
     python tools/gate_ab.py --drafter specdecode/drafters/shipped/smollm2-135m --limit 3 --out docs/results
 """
 
-import argparse
 import statistics
 
-from mix_cells import BENCHMARKS, decode_mix
+from mix_cells import BENCHMARKS, decode_mix, mix_parser
 
 from specdecode.drafters import build_drafter, yields
 from specdecode.engine.decode import SpeculativeDecoder
@@ -27,14 +26,9 @@ VARIANTS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = mix_parser(__doc__, "gate_ab", limit=3)
     parser.add_argument("--drafter", default="specdecode/drafters/shipped/smollm2-135m")
-    parser.add_argument("--limit", type=int, default=3, help="prompts per benchmark")
-    parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--draft-length", type=int, default=7)
-    parser.add_argument("--max-new-tokens", type=int, default=160)
-    parser.add_argument("--out", default="docs/results")
-    parser.add_argument("--name", default="gate_ab")
     args = parser.parse_args()
     target = Target.load()
     decoders = {
@@ -48,9 +42,8 @@ def main() -> None:
     def memory(key: tuple) -> None:  # the gate's yield means, as each variant has them
         yields.PRIOR_ROUNDS, yields.WINDOW = VARIANTS[key[0]][2] or shipped
 
-    temperatures = [float(t) for t in args.temperatures.split(",")]
     try:
-        cells, _ = decode_mix(target, decoders, temperatures, args.limit, args.max_new_tokens, before=memory)
+        cells, _ = decode_mix(target, decoders, args.temperatures, args.limit, args.max_new_tokens, before=memory)
     finally:
         yields.PRIOR_ROUNDS, yields.WINDOW = shipped
     ratios = {(name, t, b): [c[0] for c in cs] for (t, name, b), cs in cells.items()}

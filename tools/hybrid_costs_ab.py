@@ -12,10 +12,9 @@ the whole run, as a server or `specdecode eval` does. Every greedy output is che
     python tools/hybrid_costs_ab.py --limit 4 --pricings "measured,stop 54 cache" --name cost_outlier_ab
 """
 
-import argparse
 import statistics
 
-from mix_cells import BENCHMARKS, decode_mix, summary
+from mix_cells import BENCHMARKS, decode_mix, mix_parser, summary
 
 from specdecode.drafters import build_drafter
 from specdecode.drafters.hybrid import HybridDrafter, RoundCosts, round_costs
@@ -36,12 +35,7 @@ def prices(costs: RoundCosts) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", type=int, default=4, help="prompts per benchmark")
-    parser.add_argument("--temperatures", default="0,1")
-    parser.add_argument("--max-new-tokens", type=int, default=160)
-    parser.add_argument("--out", default="docs/results")
-    parser.add_argument("--name", default="hybrid_costs_ab")
+    parser = mix_parser(__doc__, "hybrid_costs_ab")
     parser.add_argument("--pricings", default="measured,stop 54 cache,all 8,first call", help="which, comma-separated")
     args = parser.parse_args()
     target = Target.load()
@@ -64,8 +58,7 @@ def main() -> None:
         (name,): SpeculativeDecoder(target, HybridDrafter(model, costs=costs), 8, scheduler="prefix")
         for name, costs in pricings.items()
     }
-    temperatures = [float(t) for t in args.temperatures.split(",")]
-    cells, foreign = decode_mix(target, hybrids, temperatures, args.limit, args.max_new_tokens)
+    cells, foreign = decode_mix(target, hybrids, args.temperatures, args.limit, args.max_new_tokens)
     header = "| T | model round priced by (3 / 7 drafts verified) | mean speedup | " + " | ".join(BENCHMARKS)
     header += " | accepted | model rounds |"
     runs, lines = [], [header, "|---|---|---:|" + "---:|" * (len(BENCHMARKS) + 2)]

@@ -1,6 +1,7 @@
 """The five-benchmark mix decoded by several speculative decoders, each against normal decoding of the same prompt
 just before, the decoders interleaved prompt by prompt (shared by the A/B tools that compare decoders on it)."""
 
+import argparse
 import statistics
 from collections.abc import Callable
 
@@ -15,6 +16,18 @@ BENCHMARKS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench")
 
 
 Cell = tuple[float, float, float]  # speedup over normal decoding, mean accepted length, model's share of rounds
+
+
+def mix_parser(doc: str, name: str, limit: int = 4) -> argparse.ArgumentParser:
+    """The arguments every tool decoding the mix takes (its own are added after): prompts per benchmark, the
+    temperatures (parsed into a list of floats), tokens per answer, and where and under what name results go."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=limit, help="prompts per benchmark")
+    parser.add_argument("--temperatures", type=lambda s: [float(t) for t in s.split(",")], default="0,1")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--name", default=name)
+    return parser
 
 
 def decode_mix(

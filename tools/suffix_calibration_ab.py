@@ -7,10 +7,9 @@ decoding.
     python tools/suffix_calibration_ab.py --limit 4 --out docs/results --name suffix_calibration_ab
 """
 
-import argparse
 import math
 
-from mix_cells import decode_mix, report
+from mix_cells import decode_mix, mix_parser, report
 
 from specdecode.drafters import build_drafter
 from specdecode.drafters.hybrid import HybridDrafter
@@ -24,12 +23,7 @@ ODDS = {"calibrated per request": SuffixSettings.calibration_prior, "shared tabl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", type=int, default=4, help="prompts per benchmark")
-    parser.add_argument("--temperatures", default="0,1")
-    parser.add_argument("--max-new-tokens", type=int, default=160)
-    parser.add_argument("--out", default="docs/results")
-    parser.add_argument("--name", default="suffix_calibration_ab")
+    parser = mix_parser(__doc__, "suffix_calibration_ab")
     args = parser.parse_args()
     target = Target.load()
     model = build_drafter(str(shipped_drafter(target.name)), target)
@@ -39,8 +33,7 @@ def main() -> None:
         decoders[(odds, "suffix alone")] = SpeculativeDecoder(target, suffix, 8, scheduler="prefix")
         hybrid = HybridDrafter(model, SuffixDrafter(SuffixSettings(calibration_prior=prior)))
         decoders[(odds, "default hybrid, prefix")] = SpeculativeDecoder(target, hybrid, 8, scheduler="prefix")
-    temperatures = [float(t) for t in args.temperatures.split(",")]
-    cells, foreign = decode_mix(target, decoders, temperatures, args.limit, args.max_new_tokens)
+    cells, foreign = decode_mix(target, decoders, args.temperatures, args.limit, args.max_new_tokens)
     runs, table = report(cells, decoders, "suffix odds")
     write_results(args.name, args.out, target.name, runs, table, max_new_tokens=args.max_new_tokens,
                   prompts_per_benchmark=args.limit, foreign_load_cores_max=round(foreign, 3))  # fmt: skip
