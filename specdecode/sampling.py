@@ -4,6 +4,8 @@ Normal decoding and verification both call `probabilities`, so temperature, top-
 exactly one way: that is what makes speculative output follow normal sampling with the same settings.
 """
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -93,11 +95,9 @@ def sample_weights(weights: list[float], generator: torch.Generator | None = Non
     """`sample` for a few weights held as Python floats (a block verification's stopping odds: k + 1 a round):
     the same one uniform number and CDF inversion, as a scan; a tensor and `sample`'s two levels cost ~0.06 ms
     a call, a tenth of a sampled round's verification. A zero weight is never drawn."""
-    total = sum(weights)  # the scan's last running sum, bit for bit: the same additions in the same order
-    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * total
-    running = 0.0
-    for index, weight in enumerate(weights):
-        running += weight
-        if u < running:
-            return index
-    return max(i for i, weight in enumerate(weights) if weight > 0)  # u rounded up to the total
+    cdf = list(itertools.accumulate(weights))  # its last entry is the total the draw is scaled by, bit for bit
+    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * cdf[-1]
+    index = bisect.bisect_right(cdf, u)  # the first step above u: a zero weight's step is empty
+    if index == len(cdf):  # u rounded up to the total: the last nonzero weight
+        index = max(i for i, weight in enumerate(weights) if weight > 0)
+    return index
