@@ -303,8 +303,8 @@ def loop_drafter(target, kernel: str = "few-rows", **kwargs) -> BlockDrafter:
 def test_the_cpp_kernels_draft_what_the_python_path_drafts(qk_norm, kernel, markov_rank, draft_ids):
     """The C++ layer loop over each request's context cache gives the Python backbone's states (alone, and in
     a batch of different context lengths), and with the greedy Markov chain's C++ loop the same drafts and
-    confidences; the context's keys and values, projected for all layers in one product (on either kernel),
-    are the Python path's."""
+    confidences; the context's keys and values, projected for all layers in one product and stored by one C++
+    call (the few-rows kernels) or by the Python glue (a library kernel), are the Python path's."""
     target = tiny_target(vocab_size=24)
     drafter = loop_drafter(target, kernel, qk_norm=qk_norm, markov_rank=markov_rank, draft_ids=draft_ids)
     ids = torch.randint(2, 24, (3, 14), generator=torch.Generator().manual_seed(3))

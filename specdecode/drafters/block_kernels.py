@@ -7,7 +7,8 @@ SDPA), 2.0 ms a round for the shipped drafter of which ~0.6 ms streams weights; 
   keys and values wait in a `ContextPool` (a slot per request, grown by doubling), the block's are written right
   after them (and overwritten by the next round's context), and every block query sees the context and the
   whole block: `limits` = context length + block size.
-- Context K/V: every layer's keys and values of new context vectors in one fused product.
+- Context K/V: every layer's keys and values of new context vectors in one fused product; on the few-rows
+  kernels the projection, norms, rotation and the writes into the pool are one C++ call.
 - Markov chain: the vanilla Markov stage, greedy or sampled at a plain temperature, is one C++ loop
   (csrc/markov_chain.cpp).
 The arithmetic is the Python path's up to summation order and bfloat16 rounding of the Markov input;
@@ -40,6 +41,7 @@ class BlockKernels:
         self._loop_weights: dict[str, list[Tensor]] = {}  # per few-rows kernel, made on first use
         # every layer's keys and values of the context in one product: (layers * 2 * kv_heads * head_dim, H)
         self.context_kv_linear = _fused([m for layer in model.layers for m in (layer.k_proj, layer.v_proj)])
+        self.fc, self.hidden_norm = model.fc.linear, model.hidden_norm
         self.k_norms = [layer.k_norm.weight if self.head_norms else None for layer in model.layers]
         for layer in model.layers:
             parts = (
@@ -62,9 +64,9 @@ class BlockKernels:
     @classmethod
     def of(cls, model) -> "BlockKernels | None":
         """The kernels for `model` where they run (a CPU model whose kernels built, frozen for inference), else None."""
-        frozen = all(isinstance(m, FrozenLinear) for layer in model.layers for m in _linears(layer)) and isinstance(
-            model.norm, FrozenRMSNorm
-        )
+        linears = [model.fc] + [m for layer in model.layers for m in _linears(layer)]
+        norms = (model.norm, model.hidden_norm)
+        frozen = all(isinstance(m, FrozenLinear) for m in linears) and all(isinstance(n, FrozenRMSNorm) for n in norms)
         cpu = model.fc.weight.device.type == "cpu"
         return cls(model) if frozen and cpu and cpu_kernels_available() else None
 
@@ -120,6 +122,35 @@ class BlockKernels:
             torch.ops.specdecode.rotate_(keys, KV, cos, sin)
             out.append((keys.transpose(0, 1)[None], kv[:, layer, 1].transpose(0, 1)[None]))
         return out
+
+    @torch.inference_mode()
+    def project(
+        self,
+        features: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        slots: list[int],
+        starts: list[int],
+        counts: list[int],
+    ) -> bool:
+        """`DSparkModel.context` and `context_kv` of float32 `features` (N, n * H) at `positions` (N), stored by
+        the same C++ call: the next counts[r] rows (rows of requests one after another) are slot slots[r]'s
+        entries starts[r] .. starts[r] + counts[r] - 1. The kernels of `context_kv` and its Python glue (the
+        norms, the rotation, a copy per layer into the pool), which cost a round 0.14 ms for one request and
+        0.25 ms for four (Zen 3 EPYC; results/context_projection_ab.md). Returns False, storing nothing, where
+        the plan runs these rows' linears on a library kernel (a long prompt's first round)."""
+        linears = (self.fc, self.context_kv_linear)
+        kernels = [linear.kernel_for(len(features)) for linear in linears]
+        if features.dtype != torch.float32 or not all(k.startswith("few-rows") for k in kernels):
+            return False
+        cos, sin = self.rotary.tables(positions)
+        fc, kv = (linear.few_rows_weight(kernel) for linear, kernel in zip(linears, kernels, strict=True))
+        k_norms = [] if self.k_norms[0] is None else self.k_norms
+        torch.ops.specdecode.project_context(
+            features, fc, self.hidden_norm.weight, kv, k_norms, cache.keys, cache.values, cos, sin,
+            torch.tensor(slots), starts, counts, self.hidden_norm.eps,
+        )  # fmt: skip
+        return True
 
     def chains_for(self, params: list[SamplingParams]) -> bool:
         """Whether the C++ chain serves requests with these settings: a vanilla Markov head (or none), each

@@ -294,26 +294,29 @@ class BlockDrafter(Drafter):
     @torch.inference_mode()
     def _project_pending(cls, drafters: list["BlockDrafter"]) -> None:
         """Project the pending target features of every drafter into its layers' context K/V: one product
-        over all their rows (each row's projection is its own), then each drafter's slice stored in its cache."""
+        over all their rows (each row's projection is its own), each drafter's slice stored in its cache."""
         waiting = [d for d in drafters if d.pending]
         if not waiting:
             return
         model, kernels = waiting[0].model, waiting[0].kernels
         rows = [torch.cat(d.pending) for d in waiting]
-        positions = torch.cat([torch.arange(d.length, d.length + len(r)) for d, r in zip(waiting, rows, strict=True)])
-        context_kv = model.context_kv if kernels is None else kernels.context_kv
-        new = context_kv(model.context(torch.cat(rows)[None]), positions[None])
-        room = max(d.length + len(r) + d.config.block_size for d, r in zip(waiting, rows, strict=True))
-        cache = waiting[0].pool.reserve(room, new[0][0])  # each context and the next block after it
-        first = 0
-        for d, r in zip(waiting, rows, strict=True):
-            end = d.length + len(r)
-            for layer, (k, v) in enumerate(new):
-                cache.keys[layer, d.slot, :, d.length : end] = k[0, :, first : first + len(r)]
-                cache.values[layer, d.slot, :, d.length : end] = v[0, :, first : first + len(r)]
-            d.length = end
+        features, counts = torch.cat(rows), [len(r) for r in rows]
+        room = max(d.length + n + d.config.block_size for d, n in zip(waiting, counts, strict=True))
+        cache = waiting[0].pool.reserve(room, features)  # each context and the next block after it
+        slots, starts = [d.slot for d in waiting], [d.length for d in waiting]
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+        if kernels is None or not kernels.project(features, positions, cache, slots, starts, counts):
+            context_kv = model.context_kv if kernels is None else kernels.context_kv
+            new = context_kv(model.context(features[None]), positions[None])
+            first = 0
+            for d, n in zip(waiting, counts, strict=True):
+                for layer, (k, v) in enumerate(new):
+                    cache.keys[layer, d.slot, :, d.length : d.length + n] = k[0, :, first : first + n]
+                    cache.values[layer, d.slot, :, d.length : d.length + n] = v[0, :, first : first + n]
+                first += n
+        for d, n in zip(waiting, counts, strict=True):
+            d.length += n
             d.pending = []
-            first += len(r)
 
     def end(self, ids: list[int]) -> None:
         if self.pool.owns(self, self.slot):

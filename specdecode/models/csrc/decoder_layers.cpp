@@ -90,8 +90,9 @@ void norm_heads_(torch::Tensor& qkv, int64_t first, int64_t count, int64_t D, co
 }
 
 // Copies, for every query (row r, position i < counts[r], packed at first[r] + i), its kv heads' keys and
-// values from the qkv rows into cache entry starts[r] + i of slot slots[r]; a bfloat16 cache takes them
-// rounded to nearest even, as a tensor copy rounds them in the Python loop.
+// values from the qkv rows (heads of D values: keys at heads H .. H + KV - 1 of a row, its values right after)
+// into cache entry starts[r] + i of slot slots[r]; a bfloat16 cache takes them rounded to nearest even, as a
+// tensor copy rounds them in the Python loop.
 template <typename Entry>
 void write_cache(const torch::Tensor& qkv, torch::Tensor keys, torch::Tensor values, const int64_t* slots,
                  c10::IntArrayRef starts, c10::IntArrayRef counts, const std::vector<int64_t>& first, int64_t H,
@@ -191,6 +192,48 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
   return captured;
 }
 
+// A block drafter's new context rows into its cache, in one call: features (N, F) of committed tokens, row r's
+// counts[r] rows packed after the rows before it, projected by fc (H, F) and normed with `norm` (H) into one
+// context vector each, then by kv_weight (layers * 2 * KV * D, H) into every layer's keys and values at once;
+// keys RMS-normed per head with k_norms[layer] (none: no head norms), all rotated by cos, sin (N, D), and
+// written at entries starts[r] .. starts[r] + counts[r] - 1 of slot slots[r] of keys, values (layers, slots, KV,
+// capacity, D). The kernels and their order are those of the Python glue it replaces where the plan runs
+// few-rows kernels (drafters/block_kernels.py: the products, add_rms_norm, rotate_, a tensor copy per layer into
+// the cache), so the cache gets the same values; the glue cost a drafting round 0.14-0.25 ms (stop 56).
+void project_context(torch::Tensor features, torch::Tensor fc, torch::Tensor norm, torch::Tensor kv_weight,
+                     std::vector<torch::Tensor> k_norms, torch::Tensor keys, torch::Tensor values, torch::Tensor cos,
+                     torch::Tensor sin, torch::Tensor slots, c10::IntArrayRef starts, c10::IntArrayRef counts,
+                     double eps) {
+  const int64_t layers = keys.size(0), KV = keys.size(2), D = keys.size(4), N = features.size(0);
+  const bool bf16_cache = keys.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(features.dim() == 2 && features.scalar_type() == at::kFloat, "project_context: float32 feature rows");
+  TORCH_CHECK((bf16_cache || keys.scalar_type() == at::kFloat) && values.scalar_type() == keys.scalar_type() &&
+                  keys.is_contiguous() && values.is_contiguous(),
+              "project_context: a contiguous float32 or bfloat16 cache");
+  TORCH_CHECK(k_norms.empty() || static_cast<int64_t>(k_norms.size()) == layers, "project_context: a key norm a layer");
+  const int64_t R = static_cast<int64_t>(counts.size());
+  std::vector<int64_t> first(R + 1, 0);
+  for (int64_t r = 0; r < R; ++r) first[r + 1] = first[r] + counts[r];
+  TORCH_CHECK(R == slots.size(0) && static_cast<int64_t>(starts.size()) == R && first[R] == N,
+              "project_context: rows");
+  slots = slots.contiguous();
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  auto context = add_rms_norm(few_rows_linear(features.contiguous(), fc), c10::nullopt, norm, eps);
+  auto kv = few_rows_linear(context, kv_weight);  // (N, layers * 2 * KV * D): per layer its keys, then values
+  TORCH_CHECK(kv.size(1) == layers * 2 * KV * D, "project_context: kv_weight's outputs");
+  auto heads = kv.view({N, layers * 2 * KV, D});
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const int64_t at = layer * 2 * KV;  // this layer's first key head among the heads of a row
+    if (!k_norms.empty()) norm_heads_(kv, at, KV, D, k_norms[layer], eps);
+    rotate_(heads.narrow(1, at, KV), KV, cos, sin);
+    auto layer_keys = keys.select(0, layer), layer_values = values.select(0, layer);
+    if (bf16_cache)
+      write_cache<at::BFloat16>(kv, layer_keys, layer_values, slot_ptr, starts, counts, first, at, KV, D);
+    else
+      write_cache<float>(kv, layer_keys, layer_values, slot_ptr, starts, counts, first, at, KV, D);
+  }
+}
+
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def(
       "decoder_layers(Tensor(a!) x, Tensor[] weights, Tensor(b!) keys, Tensor(c!) values, Tensor cos, Tensor sin, "
@@ -200,4 +243,8 @@ TORCH_LIBRARY_FRAGMENT(specdecode, m) {
       "-> Tensor[]",
       &decoder_layers);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def(
+      "project_context(Tensor features, Tensor fc, Tensor norm, Tensor kv_weight, Tensor[] k_norms, Tensor(a!) keys, "
+      "Tensor(b!) values, Tensor cos, Tensor sin, Tensor slots, int[] starts, int[] counts, float eps) -> ()",
+      &project_context);
 }

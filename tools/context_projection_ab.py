@@ -1,0 +1,79 @@
+"""A drafting round of the shipped DSpark drafter with its pending target features projected and stored by one C++
+call (`BlockKernels.project`, stop 56) against the Python glue it replaced (`BlockKernels.context_kv`, then a
+tensor copy per layer into the pool), in one process: each round right after its own one-position target pass
+(as `specdecode bench drafting` times them), the two variants alternating repetition by repetition.
+
+    python tools/context_projection_ab.py --repeats 60 --name context_projection_ab
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdecode.drafters import build_drafter
+from specdecode.drafters.base import TargetFeatures, in_second_round
+from specdecode.drafters.shipped import shipped_drafter
+from specdecode.evaluation.premise import paired_ratio, time_pass
+from specdecode.evaluation.results import write_results
+from specdecode.machine import ForeignLoad
+from specdecode.models.target import Target
+
+VARIANTS = ("one C++ call", "Python glue")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=lambda s: [int(c) for c in s.split(",")], default="128,512")
+    parser.add_argument("--requests", type=lambda s: [int(r) for r in s.split(",")], default="1,4")
+    parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--name", default="context_projection_ab")
+    args = parser.parse_args()
+    target = Target.load()
+    drafters = {v: build_drafter(str(shipped_drafter(target.name)), target) for v in VARIANTS}
+    drafters["Python glue"].kernels.project = lambda *args: False  # the fallback: context_kv, then the copies
+    target.set_capture_layers(drafters[VARIANTS[0]].target_layer_ids)
+    generator = torch.Generator().manual_seed(0)
+    runs, lines = [], []
+    with ForeignLoad() as load:
+        for context in args.contexts:
+            ids = torch.randint(100, target.vocab_size, (context + 1,), generator=generator).tolist()
+            target.reset()
+            out = target.forward(torch.tensor(ids[:context]), logits=False)
+            features = TargetFeatures(out.layer_hidden, out.last_hidden)
+            for r in args.requests:
+                rounds = {v: [] for v in VARIANTS}
+                passes = {v: [] for v in VARIANTS}
+                for repetition in range(args.repeats + 2):  # two warm-up repetitions
+                    for v, drafter in drafters.items():
+                        states = [in_second_round(drafter, ids, features, 7, seed) for seed in range(r)]
+                        t1 = time_pass(target, context, 1, generator)
+                        start = time.perf_counter()
+                        type(drafter).propose_batch(states, [ids] * r, [7] * r)
+                        if repetition >= 2:
+                            rounds[v].append((time.perf_counter() - start) * 1000)
+                            passes[v].append(t1)
+                for v in VARIANTS:
+                    row = {"context": context, "requests": r, "variant": v,
+                           "round_ms": round(statistics.median(rounds[v]), 3),
+                           "t1_ms": round(statistics.median(passes[v]), 3),
+                           "round_over_t1": round(paired_ratio(rounds[v], passes[v]), 3),
+                           "repeats": args.repeats}  # fmt: skip
+                    runs.append(row)
+                    lines.append(f"| {context} | {r} | {v} | {row['round_ms']:.2f} | {row['t1_ms']:.2f} | "
+                                 f"{row['round_over_t1']:.3f} |")  # fmt: skip
+    table = (
+        "A drafting round of the shipped DSpark (7 drafts a request) for R requests in their second round, right "
+        "after a one-position target pass; medians of "
+        f"{args.repeats} repetitions, the variants alternating. Cores used by other processes: at most "
+        f"{load.cores:.2f}.\n\n| context | requests | projection | round ms | t(1) ms | round / t(1) |\n"
+        "|---:|---:|---|---:|---:|---:|\n" + "\n".join(lines) + "\n"
+    )
+    write_results(args.name, args.out, target.name, runs, table, foreign_load_cores_max=round(load.cores, 3))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
