@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.linear import cpu_kernels_available
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         if params.top_p < 1:
             kept = _nucleus(kept, params.top_p)
         return torch.zeros_like(logits).scatter_(-1, order, kept.softmax(-1))
+    if params.top_p == 1 and logits.device.type == "cpu" and cpu_kernels_available():
+        return torch.ops.specdecode.tempered_softmax(logits, params.temperature)  # one C++ pass (csrc/sampling.cpp)
     logits = logits / params.temperature
     if params.top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
@@ -64,7 +67,7 @@ def _nucleus(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return sorted_logits.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, -math.inf)
 
 
-SAMPLE_BLOCK = 256  # entries of one CDF block: the scan over a block is short, the block sums are vectorised
+SAMPLE_BLOCK = 256  # entries of one CDF block (csrc/sampling.cpp too): a short scan, vectorised block sums
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
@@ -73,13 +76,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     `torch.multinomial` draws one exponential per vocabulary entry (0.8-1.0 ms for SmolLM2's 49k tokens on a
     2-core EPYC), and a float64 cumulative sum over the whole vocabulary is a chain of dependent additions
     (0.09-0.14 ms there, once per sampled token of every request). Two levels instead: the sums of blocks of
-    `SAMPLE_BLOCK` entries (vectorised), the CDF of those sums to find the block, then the CDF inside that one
-    block: ~0.04 ms. A zero-weight token is never drawn: its CDF step is empty."""
+    `SAMPLE_BLOCK` entries, the CDF of those sums to find the block, then the CDF inside that one block. On CPU
+    float32 weights one C++ call does it (csrc/sampling.cpp): in ATen it is ~8 ops, 0.07 ms warm and 0.14-0.22
+    ms right after a target pass, a few percent of a sampled step. A zero-weight token is never drawn: its CDF
+    step is empty."""
+    u = float(torch.rand((), dtype=torch.float64, generator=generator))
+    if probs.dtype == torch.float32 and probs.device.type == "cpu" and cpu_kernels_available():
+        return torch.ops.specdecode.sample_index(probs, u)
     n = probs.numel()
     blocks = -(-n // SAMPLE_BLOCK)
     padded = probs if n == blocks * SAMPLE_BLOCK else torch.nn.functional.pad(probs, (0, blocks * SAMPLE_BLOCK - n))
     block_cdf = padded.reshape(blocks, SAMPLE_BLOCK).sum(1, dtype=torch.float64).cumsum(0)
-    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * float(block_cdf[-1])
+    u *= float(block_cdf[-1])
     block = int(torch.searchsorted(block_cdf, u, right=True))
     if block == blocks:  # u rounded up to the total: the last block of nonzero weight
         block = int(torch.searchsorted(block_cdf, block_cdf[-1]))

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
+from specdecode import sampling
 from specdecode.sampling import SAMPLE_BLOCK, SamplingParams, probabilities, sample, sample_weights
 from specdecode.verify import ChainResult, block_acceptance, verify_block, verify_greedy
 
@@ -277,7 +278,30 @@ def test_sampling_params_shape_p():
     assert torch.equal(probabilities(logits, SamplingParams()), torch.tensor([[1.0, 0, 0, 0]]))
 
 
-def test_sample_follows_the_distribution_and_never_draws_a_zero():
+@pytest.mark.parametrize("vocab", [5, 49152, 1000 + 3])
+def test_a_plain_temperature_shapes_p_in_one_cpp_pass(vocab):
+    """At a plain temperature, p is the C++ softmax of z / t (csrc/sampling.cpp): ATen's up to the
+    exponential's rounding, summing to 1, and each row the same alone as among other rows (threads take rows)."""
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    logits[0, :3] = -1e4  # entries whose exponential underflows to 0
+    for temperature in (0.3, 1.0, 1.7):
+        p = probabilities(logits, SamplingParams(temperature=temperature))
+        torch.testing.assert_close(p, (logits / temperature).softmax(-1), rtol=2e-5, atol=1e-9)
+        torch.testing.assert_close(p.sum(-1), torch.ones(6), rtol=0, atol=1e-6)
+        assert torch.equal(probabilities(logits[2:3], SamplingParams(temperature=temperature)), p[2:3])
+
+
+@pytest.fixture(params=["c++", "aten"])
+def sampler(request, monkeypatch):
+    """`sample` on its C++ kernel (CPU float32 weights), or on the ATen ops it falls back to elsewhere."""
+    if request.param == "aten":
+        monkeypatch.setattr(sampling, "cpu_kernels_available", lambda: False)
+    else:
+        assert sampling.cpu_kernels_available()
+    return request.param
+
+
+def test_sample_follows_the_distribution_and_never_draws_a_zero(sampler):
     probs = torch.tensor([0.0, 0.45, 0.0, 0.05, 0.3, 0.2])
     generator = torch.Generator().manual_seed(7)
     n = 20000
@@ -296,7 +320,7 @@ def test_sampling_a_few_float_weights_follows_them_and_never_draws_a_zero():
     assert chi_square_pvalue(counts, {i: w / 2.0 for i, w in enumerate(weights)}, n) > 0.001
 
 
-def test_sample_finds_weights_across_blocks_of_its_cdf():
+def test_sample_finds_weights_across_blocks_of_its_cdf(sampler):
     """Unnormalised weights over a vocabulary that is not a multiple of the CDF block: mass at a block's
     edges, in whole empty blocks and in the padded last block; zeros are never drawn."""
     weights = torch.zeros(3 * SAMPLE_BLOCK + 37)
@@ -309,3 +333,27 @@ def test_sample_finds_weights_across_blocks_of_its_cdf():
     assert set(counts) == set(heavy)
     total = sum(heavy.values())
     assert chi_square_pvalue(counts, {i: w / total for i, w in heavy.items()}, n) > 0.001
+
+
+def test_the_cpp_sampler_draws_what_the_aten_ops_draw(monkeypatch):
+    """The same uniform number picks the same token on both paths, over vocabularies of any length, sparse or
+    dense, peaked or flat (their block sums add in other orders: a draw could differ only where the number
+    falls within rounding of a CDF step)."""
+    assert sampling.cpu_kernels_available()
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for i in range(300):
+        n = int(torch.randint(1, 3 * SAMPLE_BLOCK + 100, (), generator=g)) if i % 2 else 49152
+        weights = torch.rand(n, generator=g) ** (1 + i % 12)
+        if i % 3 == 0:
+            weights[torch.rand(n, generator=g) < 0.95] = 0
+        weights[int(torch.randint(0, n, (), generator=g))] += 0.01  # a positive total
+        cases.append((weights, int(torch.randint(0, 2**31, (), generator=g))))
+    drawn = [sample(w, torch.Generator().manual_seed(seed)) for w, seed in cases]
+    monkeypatch.setattr(sampling, "cpu_kernels_available", lambda: False)
+    assert drawn == [sample(w, torch.Generator().manual_seed(seed)) for w, seed in cases]
+    assert all(w[i] > 0 for (w, _), i in zip(cases, drawn, strict=True))
+    edges = torch.zeros(2 * SAMPLE_BLOCK)
+    edges[1], edges[SAMPLE_BLOCK + 2] = 1.0, 0.5  # the last block ends in zeros
+    assert torch.ops.specdecode.sample_index(edges, 0.0) == 1
+    assert torch.ops.specdecode.sample_index(edges, math.nextafter(1.0, 0.0)) == SAMPLE_BLOCK + 2

@@ -1,0 +1,72 @@
+"""A sampled step's own work, p = softmax(z / t) over SmolLM2's 49,152 tokens and one token drawn from it, on the
+C++ kernels of csrc/sampling.cpp (stop 56) against the ATen ops they replaced (the division, ATen's softmax and
+`sample`'s two-level CDF), in one process: R rows of logits from a target pass over R positions right before each
+measurement (as in decoding, where the pass has just filled the caches), the two paths alternating.
+
+    python tools/sampling_ab.py --name sampling_ab
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdecode import sampling
+from specdecode.evaluation.results import write_results
+from specdecode.machine import ForeignLoad
+from specdecode.models.target import Target
+
+PATHS = ("C++ kernels", "ATen ops")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=lambda s: [int(r) for r in s.split(",")], default="1,4,16")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--out", default="docs/results")
+    parser.add_argument("--name", default="sampling_ab")
+    args = parser.parse_args()
+    target = Target.load()
+    generator = torch.Generator().manual_seed(0)
+    context = 128
+    target.reset()
+    target.forward(torch.randint(100, target.vocab_size, (context,), generator=generator), logits=False)
+    params = sampling.SamplingParams(temperature=args.temperature)
+    kernels = sampling.cpu_kernels_available
+    runs, lines = [], []
+    with ForeignLoad() as load:
+        for rows in args.rows:
+            ids = torch.randint(100, target.vocab_size, (rows,), generator=generator)
+            ms = {path: [] for path in PATHS}
+            for repetition in range(args.repeats + 5):
+                for path in PATHS:
+                    logits = target.forward(ids).logits
+                    target.rollback(context)
+                    sampling.cpu_kernels_available = kernels if path == PATHS[0] else lambda: False
+                    start = time.perf_counter()
+                    p = sampling.probabilities(logits, params)
+                    for row in p:
+                        sampling.sample(row, generator)
+                    if repetition >= 5:
+                        ms[path].append((time.perf_counter() - start) * 1000)
+                    sampling.cpu_kernels_available = kernels
+            for path in PATHS:
+                median = statistics.median(ms[path])
+                runs.append({"rows": rows, "path": path, "ms": round(median, 4), "repeats": args.repeats,
+                             "temperature": args.temperature})  # fmt: skip
+                lines.append(f"| {rows} | {path} | {median:.3f} | {median / rows:.3f} |")
+    table = (
+        f"p over R rows of logits (T = {args.temperature:g}) and a token drawn from each, right after a target pass "
+        f"over R positions; medians of {args.repeats} repetitions, the paths alternating. Cores used by other "
+        f"processes: at most {load.cores:.2f}.\n\n| rows | path | ms | ms a row |\n|---:|---|---:|---:|\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+    write_results(args.name, args.out, target.name, runs, table, foreign_load_cores_max=round(load.cores, 3))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
