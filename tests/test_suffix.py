@@ -174,6 +174,33 @@ def test_long_lookup_proposals_stay_lossless_in_both_engines():
     assert hybrid.proposal_limit(2) == 32 and hybrid._model_tokens(32) == 2
 
 
+def test_the_paying_length_is_the_best_of_every_length():
+    """With a cost curve a proposal keeps the length of the most expected tokens per second among all its
+    lengths: the scan may stop early (later drafts add at most their prefix's odds each, at the best gain still
+    ahead), but never before a length that pays more. Curves of every shape (falling, bumpy, flat) and odds
+    from certain to hopeless; the table's cells as their bounds say."""
+    rng = random.Random(4)
+    for trial in range(400):
+        sizes = range(1, 41)
+        seconds = {b: 1 + rng.random() * 0.2 * (b - 1) ** rng.choice((0.5, 1, 1.5)) for b in sizes}
+        if trial % 7 == 0:
+            seconds = {b: 1.0 for b in sizes}
+        drafter = SuffixDrafter(steps_per_s=lambda b, seconds=seconds: 1 / seconds[b])
+        odds = [rng.choice((1.0, rng.random(), rng.random() ** 4)) for _ in range(rng.randint(1, 32))]
+        rates, survived, path = [], 0.0, 1.0
+        for n, p in enumerate(odds, 1):
+            path *= p
+            survived += path
+            rates.append((1 + survived) * seconds[1] / seconds[n + 1])
+        keep, rate = drafter._paying_length(odds, cap=99)
+        best = max(rates)
+        assert (keep, rate) == ((0, 1.0) if best <= 1.0 else (rates.index(best) + 1, pytest.approx(best)))
+    table = AcceptanceTable()
+    for matched, score in [(1, 0.49), (2, 0.5), (3, 0.8), (4, 0.95), (5, 1.0), (16, 0.1), (17, 0.99), (40, 0.0)]:
+        length = sum(matched > bound for bound in table.LENGTHS)
+        assert table.cell(matched, score) == length * 4 + sum(score >= bound for bound in table.SCORES)
+
+
 def test_acceptance_table_learns_from_verified_rounds():
     drafter = SuffixDrafter(SuffixSettings(global_capacity=0))
     prompt = [1, 2, 3, 4, 1, 2]
