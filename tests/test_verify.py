@@ -284,9 +284,11 @@ def test_a_plain_temperature_shapes_p_in_one_cpp_pass(vocab):
     exponential's rounding, summing to 1, and each row the same alone as among other rows (threads take rows)."""
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
     logits[0, :3] = -1e4  # entries whose exponential underflows to 0
+    logits[1, 1] = -math.inf  # a masked token
     for temperature in (0.3, 1.0, 1.7):
         p = probabilities(logits, SamplingParams(temperature=temperature))
         torch.testing.assert_close(p, (logits / temperature).softmax(-1), rtol=2e-5, atol=1e-9)
+        assert (p[0, :3] == 0).all() and p[1, 1] == 0 and sample(p[1], torch.Generator().manual_seed(1)) != 1
         torch.testing.assert_close(p.sum(-1), torch.ones(6), rtol=0, atol=1e-6)
         assert torch.equal(probabilities(logits[2:3], SamplingParams(temperature=temperature)), p[2:3])
 

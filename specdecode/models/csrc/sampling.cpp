@@ -19,6 +19,8 @@ namespace {
 
 constexpr int64_t kBlock = 256;  // entries of one CDF block
 constexpr int64_t kChunk = 512;  // entries of the softmax whose exponentials are summed in float lanes
+constexpr float kUnderflow = -87.f;  // below it exp8 clamps; exp is then under float's smallest normal: 0 here, so a
+                                     // token whose logit is -inf (or far below the best) has p = 0 and is never drawn
 
 // The float64 sum of n floats in four interleaved chains (independent additions the CPU overlaps).
 double block_sum(const float* p, int64_t n) {
@@ -94,13 +96,14 @@ void tempered_softmax_row(const float* z, float* out, int64_t n, float t) {
     for (const int64_t end = std::min(n, i + kChunk); i + 8 <= end; i += 8) {
       v8 x;
       std::memcpy(&x, out + i, sizeof(x));
-      x = exp8(x - top);
+      x -= splat(top);
+      x = x < splat(kUnderflow) ? splat(0.f) : exp8(x);
       std::memcpy(out + i, &x, sizeof(x));
       sums += x;
     }
     for (int lane = 0; lane < 8; ++lane) sum += sums[lane];
   }
-  for (; i < n; ++i) sum += (out[i] = exp1(out[i] - top));
+  for (; i < n; ++i) sum += (out[i] = out[i] - top < kUnderflow ? 0.f : exp1(out[i] - top));
   const float scale = static_cast<float>(1.0 / sum);
   for (i = 0; i < n; ++i) out[i] *= scale;
 }
