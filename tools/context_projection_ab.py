@@ -8,14 +8,14 @@ tensor copy per layer into the pool), in one process: each round right after its
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from specdecode.drafters import build_drafter
-from specdecode.drafters.base import TargetFeatures, in_second_round
+from specdecode.drafters.base import TargetFeatures
 from specdecode.drafters.shipped import shipped_drafter
-from specdecode.evaluation.premise import paired_ratio, time_pass
+from specdecode.evaluation.drafting_bench import timed_round
+from specdecode.evaluation.premise import paired_ratio
 from specdecode.evaluation.results import write_results
 from specdecode.machine import ForeignLoad
 from specdecode.models.target import Target
@@ -48,12 +48,9 @@ def main() -> None:
                 passes = {v: [] for v in VARIANTS}
                 for repetition in range(args.repeats + 2):  # two warm-up repetitions
                     for v, drafter in drafters.items():
-                        states = [in_second_round(drafter, ids, features, 7, seed) for seed in range(r)]
-                        t1 = time_pass(target, context, 1, generator)
-                        start = time.perf_counter()
-                        type(drafter).propose_batch(states, [ids] * r, [7] * r)
+                        round_ms, t1 = timed_round(target, drafter, ids, features, r, 7, generator)
                         if repetition >= 2:
-                            rounds[v].append((time.perf_counter() - start) * 1000)
+                            rounds[v].append(round_ms)
                             passes[v].append(t1)
                 for v in VARIANTS:
                     row = {"context": context, "requests": r, "variant": v,

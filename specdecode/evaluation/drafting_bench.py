@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from specdecode.drafters import build_drafter
+from specdecode.drafters import Drafter, build_drafter
 from specdecode.drafters.base import TargetFeatures, in_second_round
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.premise import check_contexts, paired_ratio, time_pass
@@ -55,12 +55,9 @@ def run_drafting_bench(
         with ForeignLoad() as load:
             for repetition in range(WARMUP + repeats):
                 for r in requests:
-                    states = [in_second_round(drafter, ids, features, draft_length, seed) for seed in range(r)]
-                    t1 = time_pass(target, context, 1, generator)
-                    start = time.perf_counter()
-                    type(drafter).propose_batch(states, [ids] * r, [draft_length] * r)
+                    round_ms, t1 = timed_round(target, drafter, ids, features, r, draft_length, generator)
                     if repetition >= WARMUP:
-                        rounds_ms[r].append((time.perf_counter() - start) * 1000)
+                        rounds_ms[r].append(round_ms)
                         passes_ms[r].append(t1)
         loads.append(load.cores)
         for r in requests:
@@ -84,6 +81,24 @@ def run_drafting_bench(
     write_results(name, out_dir, target.name, runs, table, foreign_load_cores_max=round(max(loads), 3))
     print(table)
     return {"runs": runs}
+
+
+def timed_round(
+    target: Target,
+    drafter: Drafter,
+    ids: list[int],
+    features: TargetFeatures,
+    requests: int,
+    draft_length: int,
+    generator: torch.Generator,
+) -> tuple[float, float]:
+    """Milliseconds of one drafting round for `requests` requests in their second round (`features` cover
+    `ids[:-1]`), and of the one-position target pass right before it, after `len(ids) - 1` cached tokens."""
+    states = [in_second_round(drafter, ids, features, draft_length, seed) for seed in range(requests)]
+    t1 = time_pass(target, len(ids) - 1, 1, generator)
+    start = time.perf_counter()
+    type(drafter).propose_batch(states, [ids] * requests, [draft_length] * requests)
+    return (time.perf_counter() - start) * 1000, t1
 
 
 def _table(runs: list[dict], foreign: float) -> str:
