@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parts.h"
 #include "vectors.h"
 
 namespace {
@@ -654,32 +655,95 @@ void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limit
   }
 }
 
-// Every (row, kv head, share of its queries) of one call, over a cache of `Entry`s; paths (R, M, width) or null.
+// Items begin .. end - 1 of one call, over a cache of `Entry`s: item i is (row, kv head) i / shares and share
+// i % shares of that pair's queries. Paths (R, M, width) or null.
 template <typename Entry>
-void attend_all(const float* qp, const Entry* kp, const Entry* vp, const int64_t* sp, const int64_t* lp, float* op,
-                int64_t R, int64_t KV, int64_t M, int64_t D, int64_t slot_stride, int64_t head_stride, float scale,
-                const int64_t* paths, int64_t width, const int64_t* starts) {
+void attend_items(const AttentionWork& w, const Entry* kp, const Entry* vp, int64_t begin, int64_t end) {
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t pair = item / w.shares, m0 = item % w.shares * w.per_share;
+    const int64_t count = std::min(w.per_share, w.M - m0);
+    if (count <= 0) continue;
+    const int64_t r = pair / w.KV, h = pair % w.KV;
+    const int64_t base = w.slots[r] * w.slot_stride + h * w.head_stride;
+    const int64_t first = pair * w.M + m0;
+    Paths row_paths;
+    if (w.paths) row_paths = {w.paths + (r * w.M + m0) * w.width, w.width, w.starts[r]};
+    attend(w.q + first * w.D, kp + base, vp + base, w.limits + r * w.M + m0, w.out + first * w.D, count, w.D,
+           w.scale, row_paths);
+  }
+}
+
+}  // namespace
+
+void AttentionWork::run(int64_t begin, int64_t end) const {
+  if (bf16)  // bfloat16 read as its bits
+    attend_items(*this, static_cast<const uint16_t*>(keys), static_cast<const uint16_t*>(values), begin, end);
+  else
+    attend_items(*this, static_cast<const float*>(keys), static_cast<const float*>(values), begin, end);
+}
+
+AttentionWork attention_work(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                             const torch::Tensor& slots, const torch::Tensor& limits, double scale,
+                             const torch::Tensor* paths, const torch::Tensor* starts, torch::Tensor& out) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous(), "cached_attention computes in float32");
+  TORCH_CHECK((keys.scalar_type() == torch::kFloat || keys.scalar_type() == torch::kBFloat16) &&
+                  values.scalar_type() == keys.scalar_type(),
+              "cached_attention reads a float32 or bfloat16 cache");
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(), "bad shapes");
+  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == keys.size(3) && values.strides() == keys.strides(),
+              "cache entries must be contiguous per (slot, head)");
+  const int64_t R = q.size(0), KV = q.size(1), M = q.size(2), D = q.size(3), C = keys.size(2);
+  TORCH_CHECK(keys.size(1) == KV && keys.size(3) == D, "queries and cache disagree on heads or head size");
+  TORCH_CHECK(D % 8 == 0, "cached_attention needs a head size that is a multiple of 8");
+  TORCH_CHECK(limits.size(0) == R && limits.size(1) == M, "limits must be (rows, queries)");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && limits.scalar_type() == torch::kLong && slots.numel() == R &&
+                  slots.is_contiguous() && limits.is_contiguous(),
+              "cached_attention: int64 slots (one a row) and limits");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat,
+              "cached_attention: an output like the queries");
+  // scanned in place: limit.max().item() was two dispatched ops, ~2 us of a ~10 us one-token call
+  const int64_t *sp = slots.data_ptr<int64_t>(), *lp = limits.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(sp, sp + R, [&](int64_t s) { return 0 <= s && s < keys.size(0); }),
+              "a row's slot lies outside the cache");
+  TORCH_CHECK(std::all_of(lp, lp + R * M, [C](int64_t l) { return l <= C; }),
+              "a query would read past the cache's capacity");
+  int64_t width = 0;
+  if (paths) {
+    TORCH_CHECK(starts, "cached_attention: paths need the rows' starts");
+    TORCH_CHECK(paths->is_contiguous() && starts->is_contiguous(), "cached_attention: contiguous paths and starts");
+    width = paths->size(2);
+    TORCH_CHECK(paths->size(0) == R && paths->size(1) == M && starts->size(0) == R,
+                "paths must be (rows, queries, width) and starts (rows)");
+    TORCH_CHECK(paths->numel() == 0 || (paths->min().item<int64_t>() >= 0 && paths->max().item<int64_t>() < C),
+                "a path entry lies outside the cache");
+    TORCH_CHECK((limits - starts->view({R, 1})).max().item<int64_t>() <= width, "a query's path is too short");
+  }
   // Work items are (row, kv head, a share of its queries): one request has only `KV` (row, head) pairs, too
   // few to keep every thread busy, and each query is computed on its own anyway.
   const int64_t pairs = R * KV, threads = at::get_num_threads();
   const int64_t shares = std::min(M, pairs >= 2 * threads ? int64_t{1} : (2 * threads + pairs - 1) / pairs);
-  const int64_t per_share = (M + shares - 1) / shares;
-  at::parallel_for(0, pairs * shares, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t pair = item / shares, m0 = item % shares * per_share;
-      const int64_t count = std::min(per_share, M - m0);
-      if (count <= 0) continue;
-      const int64_t r = pair / KV, h = pair % KV;
-      const int64_t base = sp[r] * slot_stride + h * head_stride;
-      const int64_t first = pair * M + m0;
-      Paths row_paths;
-      if (paths) row_paths = {paths + (r * M + m0) * width, width, starts[r]};
-      attend(qp + first * D, kp + base, vp + base, lp + r * M + m0, op + first * D, count, D, scale, row_paths);
-    }
-  });
+  const bool bf16 = keys.scalar_type() == torch::kBFloat16;
+  return AttentionWork{q.data_ptr<float>(),
+                       bf16 ? static_cast<const void*>(keys.data_ptr<at::BFloat16>()) : keys.data_ptr<float>(),
+                       bf16 ? static_cast<const void*>(values.data_ptr<at::BFloat16>()) : values.data_ptr<float>(),
+                       bf16,
+                       sp,
+                       lp,
+                       width ? paths->data_ptr<int64_t>() : nullptr,
+                       paths ? starts->data_ptr<int64_t>() : nullptr,
+                       out.data_ptr<float>(),
+                       R,
+                       KV,
+                       M,
+                       D,
+                       keys.stride(0),
+                       keys.stride(1),
+                       width,
+                       static_cast<float>(scale),
+                       shares,
+                       (M + shares - 1) / shares,
+                       pairs * shares};
 }
-
-}  // namespace
 
 // q (R, KV, M, D) float32: the M queries of row r that share kv head h (grouped heads times positions);
 // keys, values (S, KV, C, D) float32 or bfloat16, a layer's cache, entries contiguous per (slot, head);
@@ -689,57 +753,19 @@ void attend_all(const float* qp, const Entry* kp, const Entry* vp, const int64_t
 torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
                                torch::Tensor limits, double scale, c10::optional<torch::Tensor> paths,
                                c10::optional<torch::Tensor> starts) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat, "cached_attention computes in float32");
-  TORCH_CHECK((keys.scalar_type() == torch::kFloat || keys.scalar_type() == torch::kBFloat16) &&
-                  values.scalar_type() == keys.scalar_type(),
-              "cached_attention reads a float32 or bfloat16 cache");
-  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(), "bad shapes");
-  TORCH_CHECK(keys.stride(3) == 1 && keys.stride(2) == keys.size(3) && values.strides() == keys.strides(),
-              "cache entries must be contiguous per (slot, head)");
   q = q.contiguous();
-  auto slot_index = slots.contiguous();
-  auto limit = limits.contiguous();
-  const int64_t R = q.size(0), KV = q.size(1), M = q.size(2), D = q.size(3), C = keys.size(2);
-  TORCH_CHECK(keys.size(1) == KV && keys.size(3) == D, "queries and cache disagree on heads or head size");
-  TORCH_CHECK(D % 8 == 0, "cached_attention needs a head size that is a multiple of 8");
-  TORCH_CHECK(limit.size(0) == R && limit.size(1) == M, "limits must be (rows, queries)");
-  TORCH_CHECK(slot_index.scalar_type() == torch::kLong && limit.scalar_type() == torch::kLong &&
-                  slot_index.numel() == R,
-              "cached_attention: int64 slots (one a row) and limits");
-  // scanned in place: limit.max().item() was two dispatched ops, ~2 us of a ~10 us one-token call
-  const int64_t *sp = slot_index.data_ptr<int64_t>(), *lp = limit.data_ptr<int64_t>();
-  TORCH_CHECK(std::all_of(sp, sp + R, [&](int64_t s) { return 0 <= s && s < keys.size(0); }),
-              "a row's slot lies outside the cache");
-  TORCH_CHECK(std::all_of(lp, lp + R * M, [C](int64_t l) { return l <= C; }),
-              "a query would read past the cache's capacity");
+  slots = slots.contiguous();
+  limits = limits.contiguous();
   torch::Tensor path_entries, path_starts;
-  int64_t width = 0;
   if (paths.has_value()) {
     TORCH_CHECK(starts.has_value(), "cached_attention: paths need the rows' starts");
     path_entries = paths->contiguous();
     path_starts = starts->contiguous();
-    width = path_entries.size(2);
-    TORCH_CHECK(path_entries.size(0) == R && path_entries.size(1) == M && path_starts.size(0) == R,
-                "paths must be (rows, queries, width) and starts (rows)");
-    TORCH_CHECK(path_entries.numel() == 0 || (path_entries.min().item<int64_t>() >= 0 &&
-                                              path_entries.max().item<int64_t>() < C),
-                "a path entry lies outside the cache");
-    TORCH_CHECK((limit - path_starts.view({R, 1})).max().item<int64_t>() <= width, "a query's path is too short");
   }
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const int64_t* pp = width ? path_entries.data_ptr<int64_t>() : nullptr;
-  const int64_t* ps = paths.has_value() ? path_starts.data_ptr<int64_t>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const auto f = static_cast<float>(scale);
-  if (keys.scalar_type() == torch::kFloat) {
-    attend_all(qp, keys.data_ptr<float>(), values.data_ptr<float>(), sp, lp, op, R, KV, M, D, keys.stride(0),
-               keys.stride(1), f, pp, width, ps);
-  } else {  // bfloat16 read as its bits
-    const auto* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>());
-    const auto* vp = reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>());
-    attend_all(qp, kp, vp, sp, lp, op, R, KV, M, D, keys.stride(0), keys.stride(1), f, pp, width, ps);
-  }
+  const auto work = attention_work(q, keys, values, slots, limits, scale, paths ? &path_entries : nullptr,
+                                   paths ? &path_starts : nullptr, out);
+  at::parallel_for(0, work.items, 1, [&](int64_t begin, int64_t end) { work.run(begin, end); });
   return out;
 }
 

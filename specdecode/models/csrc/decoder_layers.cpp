@@ -11,18 +11,20 @@
 // every query and key head is RMS-normed before its rotation (Qwen3's block, which the block drafters use:
 // drafters/block_kernels.py runs their backbone here).
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "parts.h"
 #include "vectors.h"
 
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w);
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps);
-void rms_norm_row(const float* in, float* out, const float* weight, int64_t n, float eps);
 void rotate_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
                                torch::Tensor limits, double scale, c10::optional<torch::Tensor> paths,
@@ -43,6 +45,19 @@ inline v8 silu8(v8 x) {
 // same way wherever it sits (the tail through lane 0 of the vector code), so a row's result never depends on M.
 // The C++ loop and the Python loop both call it, so they still agree bit for bit; against ATen's silu it differs
 // by rounding (~1e-7 relative).
+void silu_mul_row(const float* gate_up, float* out, int64_t n) {
+  const float* up = gate_up + n;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    v8 g, u;
+    std::memcpy(&g, gate_up + j, sizeof(g));
+    std::memcpy(&u, up + j, sizeof(u));
+    const v8 y = silu8(g) * u;
+    std::memcpy(out + j, &y, sizeof(y));
+  }
+  for (; j < n; ++j) out[j] = silu8(splat(gate_up[j]))[0] * up[j];
+}
+
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
               "silu_mul: float32 rows [gate | up]");
@@ -53,19 +68,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   float* dst = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));  // a few rows: no thread team
   at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float *gate = src + m * 2 * n, *up = gate + n;
-      float* o = dst + m * n;
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) {
-        v8 g, u;
-        std::memcpy(&g, gate + j, sizeof(g));
-        std::memcpy(&u, up + j, sizeof(u));
-        const v8 y = silu8(g) * u;
-        std::memcpy(o + j, &y, sizeof(y));
-      }
-      for (; j < n; ++j) o[j] = silu8(splat(gate[j]))[0] * up[j];
-    }
+    for (int64_t m = m0; m < m1; ++m) silu_mul_row(src + m * 2 * n, dst + m * n, n);
   });
   return out;
 }
@@ -94,6 +97,15 @@ void norm_heads_(torch::Tensor& qkv, int64_t first, int64_t count, int64_t D, co
 // into cache entry starts[r] + i of slot slots[r]; a bfloat16 cache takes them rounded to nearest even, as a
 // tensor copy rounds them in the Python loop.
 template <typename Entry>
+void write_cache_row(const float* row, Entry* kp, Entry* vp, int64_t at, int64_t head_stride, int64_t H, int64_t KV,
+                     int64_t D) {
+  for (int64_t h = 0; h < KV; ++h) {
+    std::copy(row + (H + h) * D, row + (H + h + 1) * D, kp + at + h * head_stride);
+    std::copy(row + (H + KV + h) * D, row + (H + KV + h + 1) * D, vp + at + h * head_stride);
+  }
+}
+
+template <typename Entry>
 void write_cache(const torch::Tensor& qkv, torch::Tensor keys, torch::Tensor values, const int64_t* slots,
                  c10::IntArrayRef starts, c10::IntArrayRef counts, const std::vector<int64_t>& first, int64_t H,
                  int64_t KV, int64_t D) {
@@ -102,14 +114,142 @@ void write_cache(const torch::Tensor& qkv, torch::Tensor keys, torch::Tensor val
   Entry *kp = keys.data_ptr<Entry>(), *vp = values.data_ptr<Entry>();
   const int64_t slot_stride = keys.stride(0), head_stride = keys.stride(1);
   for (int64_t r = 0; r < static_cast<int64_t>(counts.size()); ++r)
-    for (int64_t i = 0; i < counts[r]; ++i) {
-      const float* row = src + (first[r] + i) * width;
-      for (int64_t h = 0; h < KV; ++h) {
-        const int64_t at = slots[r] * slot_stride + h * head_stride + (starts[r] + i) * D;
-        std::copy(row + (H + h) * D, row + (H + h + 1) * D, kp + at);
-        std::copy(row + (H + KV + h) * D, row + (H + KV + h + 1) * D, vp + at);
-      }
+    for (int64_t i = 0; i < counts[r]; ++i)
+      write_cache_row(src + (first[r] + i) * width, kp, vp, slots[r] * slot_stride + (starts[r] + i) * D,
+                      head_stride, H, KV, D);
+}
+
+// Query head `head` of packed row m (row r, position i) goes to (r, kv, g * Q + i) of the grouped queries
+// (R, KV, group * Q, D) that cached_attention takes (head = kv * group + g): the heads sharing a kv head together.
+inline int64_t grouped_query(int64_t r, int64_t head, int64_t i, int64_t H, int64_t Q) { return (r * H + head) * Q + i; }
+
+// What a pass's layers need besides the weights, checked once by decoder_layers.
+struct Pass {
+  torch::Tensor x, keys, values, cos, sin, slots, limits;
+  const torch::Tensor *paths, *path_starts;
+  c10::IntArrayRef starts, counts;
+  std::vector<int64_t> first;  // row r's tokens are packed rows first[r] .. first[r + 1] - 1
+  int64_t R, M, H, KV, D, group, Q;
+  double scale, eps;
+};
+
+// Every layer in one team of threads (one OpenMP region for the pass) where every linear takes 8-bit input rows
+// (csrc/q8_rows.cpp): at a few rows a layer's five kernels (four products and attention) are ~10 us each, and
+// each forked and joined the team at ~2 us (a one-token pass: 150 forks, ~0.3 ms of ~6). Here the threads meet
+// at a spinning barrier between steps (~0.25 us), split each product's groups of outputs and attention's items
+// as the kernels' own parallel loops split them (every output is computed the same way wherever it is, so the
+// pass is bit for bit the forked loop's), and split the per-token steps (norms, rotation, cache writes, rounding
+// the next product's inputs) by packed rows; the buffers are allocated once a pass, not once a kernel.
+template <typename Entry>
+torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, int64_t per_layer, bool head_norms,
+                          c10::IntArrayRef capture, std::vector<torch::Tensor>& captured) {
+  const int64_t layers = static_cast<int64_t>(weights.size()) / per_layer, M = p.M, H = p.H, KV = p.KV, D = p.D;
+  const int64_t hidden = p.x.size(1), width = (H + 2 * KV) * D, inner = weights[5].size(1) * 32;
+  const auto options = p.x.options();
+  auto qkv = torch::empty({M, width}, options), attended = torch::empty({M, H * D}, options);
+  auto h = torch::empty({M, hidden}, options), projected = torch::empty({M, hidden}, options);
+  auto gate_up = torch::empty({M, 2 * inner}, options), act = torch::empty({M, inner}, options);
+  auto delta = torch::zeros({M, hidden}, options);
+  auto q = torch::zeros({p.R, KV, p.group * p.Q, D}, options);  // padded queries stay zero: finite, never read
+  auto out = torch::empty_like(q);
+  Q8Inputs rounded_hidden, rounded_heads, rounded_inner;  // the next product's input rows, rounded
+  for (auto* in : {&rounded_hidden, &rounded_heads, &rounded_inner}) in->M = M;
+  rounded_hidden.K = hidden;
+  rounded_heads.K = H * D;
+  rounded_inner.K = inner;
+  for (auto* in : {&rounded_hidden, &rounded_heads, &rounded_inner}) {
+    in->q.resize(M * in->K);
+    in->scales.resize(M * in->K / 32);
+  }
+  std::vector<int64_t> row_of(M), position_of(M);  // packed row m is token position_of[m] of row row_of[m]
+  for (int64_t r = 0; r < p.R; ++r)
+    for (int64_t i = 0; i < p.counts[r]; ++i) {
+      row_of[p.first[r] + i] = r;
+      position_of[p.first[r] + i] = i;
     }
+  for (const int64_t c : capture) captured.push_back(torch::empty({M, hidden}, options));
+  std::vector<AttentionWork> attention;
+  for (int64_t layer = 0; layer < layers; ++layer)
+    attention.push_back(attention_work(q, p.keys.select(0, layer), p.values.select(0, layer), p.slots, p.limits,
+                                       p.scale, p.paths, p.path_starts, out));
+  float *x = p.x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *op = out.data_ptr<float>(), *ap = attended.data_ptr<float>();
+  float *pp = projected.data_ptr<float>(), *gp = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
+  float* dp = delta.data_ptr<float>();
+  const float *cos = p.cos.data_ptr<float>(), *sin = p.sin.data_ptr<float>();
+  Entry *keys = p.keys.data_ptr<Entry>(), *values = p.values.data_ptr<Entry>();
+  const int64_t* slots = p.slots.data_ptr<int64_t>();
+  const int64_t layer_stride = p.keys.stride(0), slot_stride = p.keys.stride(1), head_stride = p.keys.stride(2);
+  const auto eps = static_cast<float>(p.eps);
+  SpinBarrier barrier;
+#pragma omp parallel
+  {
+#pragma omp single
+    barrier.reset(omp_get_num_threads());  // the team as OpenMP formed it (an implicit barrier follows)
+    const int64_t part = omp_get_thread_num(), parts = omp_get_num_threads();
+    const auto [m0, m1] = share_of(M, part, parts);  // this thread's packed rows for the per-token steps
+    const auto product = [&](const Q8Inputs& in, const torch::Tensor& w, float* y) {
+      const auto [g0, g1] = share_of(w.size(0), part, parts);
+      q8_rows_groups(in, w, y, g0, g1);
+      barrier.wait();
+    };
+    const auto round = [&](const float* rows, Q8Inputs& in) {
+      q8_round_rows(rows, m0, m1, in);
+      barrier.wait();
+    };
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      const torch::Tensor* w = weights.data() + layer * per_layer;
+      for (int64_t m = m0; m < m1; ++m) {
+        if (layer > 0)
+          for (size_t c = 0; c < capture.size(); ++c)
+            if (capture[c] == layer - 1) {
+              float* row = captured[c].data_ptr<float>() + m * hidden;
+              for (int64_t i = 0; i < hidden; ++i) row[i] = x[m * hidden + i] + dp[m * hidden + i];
+            }
+        add_rms_norm_row(x + m * hidden, layer > 0 ? dp + m * hidden : nullptr, w[0].data_ptr<float>(),
+                         hp + m * hidden, hidden, eps);
+      }
+      round(hp, rounded_hidden);
+      product(rounded_hidden, w[1], qkvp);
+      for (int64_t m = m0; m < m1; ++m) {
+        float* row = qkvp + m * width;
+        if (head_norms) {
+          for (int64_t head = 0; head < H + KV; ++head)
+            rms_norm_row(row + head * D, row + head * D, w[kWeightsPerLayer + (head >= H)].data_ptr<float>(), D, eps);
+        }
+        rotate_row(row, H + KV, D, cos + m * D, sin + m * D);
+        const int64_t r = row_of[m], i = position_of[m];
+        write_cache_row(row, keys + layer * layer_stride, values + layer * layer_stride,
+                        slots[r] * slot_stride + (p.starts[r] + i) * D, head_stride, H, KV, D);
+        for (int64_t head = 0; head < H; ++head)
+          std::memcpy(qp + grouped_query(r, head, i, H, p.Q) * D, row + head * D, D * sizeof(float));
+      }
+      barrier.wait();
+      const auto [i0, i1] = share_of(attention[layer].items, part, parts);
+      attention[layer].run(i0, i1);
+      barrier.wait();
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t head = 0; head < H; ++head)
+          std::memcpy(ap + m * H * D + head * D, op + grouped_query(row_of[m], head, position_of[m], H, p.Q) * D,
+                      D * sizeof(float));
+      round(ap, rounded_heads);
+      product(rounded_heads, w[2], pp);
+      for (int64_t m = m0; m < m1; ++m)
+        add_rms_norm_row(x + m * hidden, pp + m * hidden, w[3].data_ptr<float>(), hp + m * hidden, hidden, eps);
+      round(hp, rounded_hidden);
+      product(rounded_hidden, w[4], gp);
+      for (int64_t m = m0; m < m1; ++m) silu_mul_row(gp + m * 2 * inner, actp + m * inner, inner);
+      round(actp, rounded_inner);
+      product(rounded_inner, w[5], dp);
+    }
+    for (int64_t m = m0; m < m1; ++m)
+      for (size_t c = 0; c < capture.size(); ++c)
+        if (capture[c] == layers - 1) {
+          float* row = captured[c].data_ptr<float>() + m * hidden;
+          for (int64_t i = 0; i < hidden; ++i) row[i] = x[m * hidden + i] + dp[m * hidden + i];
+        }
+  }
+  return delta;
 }
 
 }  // namespace
@@ -143,11 +283,29 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
   }
   TORCH_CHECK(R == slots.size(0) && first[R] == M && static_cast<int64_t>(starts.size()) == R,
               "decoder_layers: rows");
+  TORCH_CHECK(std::is_sorted(capture.begin(), capture.end()) &&
+                  std::all_of(capture.begin(), capture.end(), [&](int64_t c) { return 0 <= c && c < layers; }),
+              "decoder_layers: captured layers in increasing order");
   slots = slots.contiguous();
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
   const double scale = std::pow(static_cast<double>(D), -0.5);  // as the Python loop computes D ** -0.5
   const c10::optional<torch::Tensor> path_starts =
       paths.has_value() ? c10::optional<torch::Tensor>(torch::tensor(starts.vec(), slots.options())) : c10::nullopt;
+  bool team = at::get_num_threads() > 1 && !at::in_parallel_region() && x.is_contiguous() && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat;
+  for (int64_t layer = 0; team && layer < layers; ++layer)
+    for (const int64_t i : {1, 2, 4, 5}) team = team && q8_rows_weights(weights[layer * per_layer + i]);
+  if (team) {
+    const auto path_entries = paths.has_value() ? paths->contiguous() : torch::Tensor();
+    Pass pass{x, keys, values, cos, sin, slots, limits.contiguous(), paths.has_value() ? &path_entries : nullptr,
+              paths.has_value() ? &*path_starts : nullptr, starts, counts, first, R, M, H, KV, D, group, Q, scale,
+              eps};
+    std::vector<torch::Tensor> captured;
+    auto delta = bf16_cache ? team_layers<at::BFloat16>(pass, weights, per_layer, head_norms, capture, captured)
+                            : team_layers<float>(pass, weights, per_layer, head_norms, capture, captured);
+    captured.insert(captured.begin(), delta);
+    return captured;
+  }
   auto q = torch::zeros({R, KV, group * Q, D}, x.options());  // padded queries stay zero: finite, never read
   auto attended = torch::empty({M, H * D}, x.options());
   std::vector<torch::Tensor> captured;
@@ -173,7 +331,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
     for (int64_t r = 0; r < R; ++r)
       for (int64_t head = 0; head < H; ++head)
         for (int64_t i = 0; i < counts[r]; ++i)
-          std::memcpy(qp + ((r * H + head) * Q + i) * D, src + (first[r] + i) * width + head * D, D * sizeof(float));
+          std::memcpy(qp + grouped_query(r, head, i, H, Q) * D, src + (first[r] + i) * width + head * D, D * sizeof(float));
     auto out = cached_attention(q, layer_keys, layer_values, slots, limits, scale, paths,
                                 path_starts);  // (R, KV, group * Q, D)
     const float* op = out.data_ptr<float>();
@@ -181,7 +339,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
     for (int64_t r = 0; r < R; ++r)
       for (int64_t head = 0; head < H; ++head)
         for (int64_t i = 0; i < counts[r]; ++i)
-          std::memcpy(ap + (first[r] + i) * H * D + head * D, op + ((r * H + head) * Q + i) * D, D * sizeof(float));
+          std::memcpy(ap + (first[r] + i) * H * D + head * D, op + grouped_query(r, head, i, H, Q) * D, D * sizeof(float));
     h = add_rms_norm(x, few_rows_linear(attended, w[2]), w[3], eps);
     auto gate_up = few_rows_linear(h, w[4]);
     delta = few_rows_linear(silu_mul(gate_up), w[5]);

@@ -19,6 +19,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "parts.h"
+
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -30,9 +32,7 @@ constexpr int64_t kGroupRows = 8;
 // Zen 3 EPYC (1, 2, 4 and 8 KB ahead: 2.74 / 2.52 / 2.53 / 2.52 ms; four rows 3.83 -> 3.67).
 constexpr int64_t kPrefetchBytes = 2048;
 
-struct InputScale {
-  float d, s;  // d_x and d_x * sum(q) of one block of one input row
-};
+using InputScale = Q8Scale;  // d_x and d_x * sum(q) of one block of one input row
 
 // One row of K inputs -> K bytes q and K / 32 scales.
 void quantize_row(const float* x, int8_t* q, InputScale* scales, int64_t K) {
@@ -154,67 +154,90 @@ inline void group_tile(const int8_t* Xq, const InputScale* Xs, const uint8_t* P,
 // at three rows 5.9 -> 4.3). Written as few tile sizes per loop as that needs: a loop choosing among all four
 // sizes per group got GCC 12 to regroup the sums of the four-row tile into spilled trees (four rows 1.3x slower).
 template <int MB, typename Format>
-void q8_linear(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* Y, int64_t M, int64_t K,
-               int64_t N) {
-  at::parallel_for(0, N / kGroupRows, 8, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      int64_t m0 = 0;
-      for (; m0 + MB <= M; m0 += MB) group_tile<MB, Format>(Xq, Xs, P, Y, m0, g, K, N);
-      if (MB == 4 && M - m0 == 3) {
-        group_tile<3, Format>(Xq, Xs, P, Y, m0, g, K, N);
-        continue;
-      }
-      for (; m0 < M; ++m0) group_tile<1, Format>(Xq, Xs, P, Y, m0, g, K, N);
+void q8_groups(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* Y, int64_t M, int64_t K, int64_t N,
+               int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t m0 = 0;
+    for (; m0 + MB <= M; m0 += MB) group_tile<MB, Format>(Xq, Xs, P, Y, m0, g, K, N);
+    if (MB == 4 && M - m0 == 3) {
+      group_tile<3, Format>(Xq, Xs, P, Y, m0, g, K, N);
+      continue;
     }
-  });
+    for (; m0 < M; ++m0) group_tile<1, Format>(Xq, Xs, P, Y, m0, g, K, N);
+  }
 }
 
 template <typename Format>
-void q8_linear_by_rows(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* Y, int64_t M, int64_t K,
-                       int64_t N) {
+void q8_groups_by_rows(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* Y, int64_t M, int64_t K,
+                       int64_t N, int64_t g0, int64_t g1) {
   if (M == 3)
-    q8_linear<3, Format>(Xq, Xs, P, Y, M, K, N);
+    q8_groups<3, Format>(Xq, Xs, P, Y, M, K, N, g0, g1);
   else if (M >= 4)
-    q8_linear<4, Format>(Xq, Xs, P, Y, M, K, N);
+    q8_groups<4, Format>(Xq, Xs, P, Y, M, K, N, g0, g1);
   else if (M >= 2)
-    q8_linear<2, Format>(Xq, Xs, P, Y, M, K, N);
+    q8_groups<2, Format>(Xq, Xs, P, Y, M, K, N, g0, g1);
   else
-    q8_linear<1, Format>(Xq, Xs, P, Y, M, K, N);
+    q8_groups<1, Format>(Xq, Xs, P, Y, M, K, N, g0, g1);
 }
 
 }  // namespace
 
 bool q8_rows_available() { return true; }
 
+bool q8_rows_weights(const torch::Tensor& w) {
+  const int64_t bytes = w.dim() == 3 ? w.size(2) : 0;
+  return w.scalar_type() == at::kByte && (bytes == Q4_1Groups::kBytes || bytes == Q8_0Groups::kBytes) &&
+         w.is_contiguous();
+}
+
+void q8_round_rows(const float* x, int64_t m0, int64_t m1, Q8Inputs& in) {
+  const int64_t K = in.K;
+  for (int64_t i = m0; i < m1; ++i) quantize_row(x + i * K, in.q.data() + i * K, in.scales.data() + i * (K / 32), K);
+}
+
+void q8_round_inputs(const float* x, int64_t M, int64_t K, Q8Inputs& in) {
+  if (in.q.size() < static_cast<size_t>(M * K)) in.q.resize(M * K);
+  if (in.scales.size() < static_cast<size_t>(M * K / 32)) in.scales.resize(M * K / 32);
+  in.M = M;
+  in.K = K;
+  q8_round_rows(x, 0, M, in);
+}
+
+void q8_rows_groups(const Q8Inputs& in, const torch::Tensor& w, float* y, int64_t g0, int64_t g1) {
+  const int64_t N = w.size(0) * kGroupRows;
+  const uint8_t* P = w.data_ptr<uint8_t>();
+  if (w.size(2) == Q4_1Groups::kBytes)
+    q8_groups_by_rows<Q4_1Groups>(in.q.data(), in.scales.data(), P, y, in.M, in.K, N, g0, g1);
+  else
+    q8_groups_by_rows<Q8_0Groups>(in.q.data(), in.scales.data(), P, y, in.M, in.K, N, g0, g1);
+}
+
 // x float32 (M, K); w interleaved Q4_1 or Q8_0 groups (N / 8, K / 32, 160 or 272) uint8.
 torch::Tensor q8_rows_linear(torch::Tensor x, torch::Tensor w) {
-  const int64_t bytes = w.dim() == 3 ? w.size(2) : 0;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte &&
-                  (bytes == Q4_1Groups::kBytes || bytes == Q8_0Groups::kBytes) && x.size(1) == w.size(1) * 32 &&
-                  w.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && q8_rows_weights(w) && x.size(1) == w.size(1) * 32,
               "q8_rows_linear: float32 x (M, K), interleaved Q4_1 or Q8_0 groups w (N / 8, K / 32, 160 or 272)");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * kGroupRows;
   // The rounded inputs live in buffers of the calling thread, reused call after call: as two tensors a call they
   // were 240 of the ~400 tensor allocations of a one-token pass through the C++ layer loop.
-  thread_local std::vector<int8_t> rounded;
-  thread_local std::vector<InputScale> scales;
-  if (rounded.size() < static_cast<size_t>(M * K)) rounded.resize(M * K);
-  if (scales.size() < static_cast<size_t>(M * K / 32)) scales.resize(M * K / 32);
-  int8_t* xq = rounded.data();
-  InputScale* xs = scales.data();
-  for (int64_t i = 0; i < M; ++i) quantize_row(x.data_ptr<float>() + i * K, xq + i * K, xs + i * (K / 32), K);
+  thread_local Q8Inputs buffers;
+  Q8Inputs& rounded = buffers;  // the calling thread's: a thread_local named in the loop would be each worker's own
+  q8_round_inputs(x.data_ptr<float>(), M, K, rounded);
   auto y = torch::empty({M, N}, x.options());
-  if (bytes == Q4_1Groups::kBytes)
-    q8_linear_by_rows<Q4_1Groups>(xq, xs, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, K, N);
-  else
-    q8_linear_by_rows<Q8_0Groups>(xq, xs, w.data_ptr<uint8_t>(), y.data_ptr<float>(), M, K, N);
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N / kGroupRows, 8, [&](int64_t g0, int64_t g1) { q8_rows_groups(rounded, w, out, g0, g1); });
   return y;
 }
 
 #else  // no AVX2: the kernel is never planned (q8_rows_available)
 
 bool q8_rows_available() { return false; }
+bool q8_rows_weights(const torch::Tensor&) { return false; }
+void q8_round_inputs(const float*, int64_t, int64_t, Q8Inputs&) { TORCH_CHECK(false, "q8 rows: needs AVX2"); }
+void q8_round_rows(const float*, int64_t, int64_t, Q8Inputs&) { TORCH_CHECK(false, "q8 rows: needs AVX2"); }
+void q8_rows_groups(const Q8Inputs&, const torch::Tensor&, float*, int64_t, int64_t) {
+  TORCH_CHECK(false, "q8 rows: needs AVX2");
+}
 
 torch::Tensor q8_rows_linear(torch::Tensor, torch::Tensor) {
   TORCH_CHECK(false, "q8_rows_linear: needs AVX2, F16C and FMA");

@@ -531,6 +531,12 @@ void rms_norm_row(const float* in, float* out, const float* weight, int64_t n, f
   for (int64_t i = 0; i < n; ++i) out[i] = in[i] * scale * weight[i];
 }
 
+void add_rms_norm_row(float* residual, const float* delta, const float* weight, float* out, int64_t n, float eps) {
+  if (delta)
+    for (int64_t i = 0; i < n; ++i) residual[i] += delta[i];
+  rms_norm_row(residual, out, weight, n, eps);
+}
+
 // residual (M, H) += delta (when given); returns residual / rms(residual) * weight.
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps) {
@@ -543,37 +549,33 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
   const float* dp = delta ? d.data_ptr<float>() : nullptr;
   auto out = torch::empty_like(residual);
   float* o = out.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = r + m * H;
-    if (dp)
-      for (int64_t i = 0; i < H; ++i) row[i] += dp[m * H + i];
-    rms_norm_row(row, o + m * H, w, H, static_cast<float>(eps));
-  }
+  for (int64_t m = 0; m < M; ++m)
+    add_rms_norm_row(r + m * H, dp ? dp + m * H : nullptr, w, o + m * H, H, static_cast<float>(eps));
   return out;
+}
+
+void rotate_row(float* row, int64_t heads, int64_t D, const float* c, const float* s) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* v = row + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * c[i] - b * s[i];
+      v[i + half] = b * c[i + half] + a * s[i + half];
+    }
+  }
 }
 
 // Rotates, in place, the first `heads` heads of every token of x (N, all_heads, D) by its angles:
 // x * cos + rotate_half(x) * sin, with cos and sin (N, D) and rotate_half(x) = [-x2, x1].
 void rotate_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotate_: float32");
-  const int64_t N = x.size(0), D = x.size(2), half = D / 2, stride = x.stride(0);
+  const int64_t N = x.size(0), D = x.size(2), stride = x.stride(0);
   cos = cos.contiguous();
   sin = sin.contiguous();
   float* base = x.data_ptr<float>();
-  const float* c = cos.data_ptr<float>();
-  const float* s = sin.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) {
-    const float* cn = c + n * D;
-    const float* sn = s + n * D;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = base + n * stride + h * D;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = v[i], b = v[i + half];
-        v[i] = a * cn[i] - b * sn[i];
-        v[i + half] = b * cn[i + half] + a * sn[i + half];
-      }
-    }
-  }
+  for (int64_t n = 0; n < N; ++n)
+    rotate_row(base + n * stride, heads, D, cos.data_ptr<float>() + n * D, sin.data_ptr<float>() + n * D);
 }
 
 TORCH_LIBRARY(specdecode, m) {

@@ -1,0 +1,92 @@
+// parts.h: kernels that split their work into parts any thread may run, for callers that keep one team of
+// threads for a whole pass (decoder_layers.cpp) instead of forking one per kernel call.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <utility>
+#include <vector>
+
+// Input rows rounded to 8 bits block by block (csrc/q8_rows.cpp): d_x and d_x * sum(q) of every block of 32.
+struct Q8Scale {
+  float d, s;
+};
+
+struct Q8Inputs {
+  std::vector<int8_t> q;        // (M, K)
+  std::vector<Q8Scale> scales;  // (M, K / 32)
+  int64_t M = 0, K = 0;
+};
+
+// True where w is interleaved Q4_1 or Q8_0 groups (N / 8, K / 32, 160 or 272) and this build has the kernel.
+bool q8_rows_weights(const torch::Tensor& w);
+// Rounds x (M, K) into `in`, reusing its buffers.
+void q8_round_inputs(const float* x, int64_t M, int64_t K, Q8Inputs& in);
+// Rounds rows m0 .. m1 - 1 of x (in.M, in.K) into `in`, whose buffers already hold in.M rows.
+void q8_round_rows(const float* x, int64_t m0, int64_t m1, Q8Inputs& in);
+// Groups g0 .. g1 - 1 of eight output columns of y (M, N) = rounded rows . w^T; each output is computed the same
+// way whichever part holds it.
+void q8_rows_groups(const Q8Inputs& in, const torch::Tensor& w, float* y, int64_t g0, int64_t g1);
+
+// One cached_attention call (csrc/cached_attention.cpp) with its checks done: items 0 .. items - 1, each a
+// (row, kv head, share of its queries), written to `out` by `run(begin, end)`.
+struct AttentionWork {
+  const float* q;
+  const void* keys;
+  const void* values;
+  bool bf16;
+  const int64_t *slots, *limits, *paths, *starts;
+  float* out;
+  int64_t R, KV, M, D, slot_stride, head_stride, width;
+  float scale;
+  int64_t shares, per_share, items;
+  void run(int64_t begin, int64_t end) const;
+};
+
+// q (R, KV, M, D) float32 contiguous; keys, values a layer's cache; slots (R), limits (R, M), paths (R, M, width)
+// and starts (R) contiguous int64 (paths null for chains); out like q. Checks what cached_attention checks.
+AttentionWork attention_work(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                             const torch::Tensor& slots, const torch::Tensor& limits, double scale,
+                             const torch::Tensor* paths, const torch::Tensor* starts, torch::Tensor& out);
+
+// A barrier for a team of threads that meets hundreds of times a pass: a spinning counter costs ~0.25 us where
+// an OpenMP barrier costs ~0.6 us and a fork and join of the team ~2 us (2-core EPYC).
+class SpinBarrier {
+ public:
+  void reset(int threads) { threads_ = threads; }  // before any thread waits
+  void wait() {
+    const int phase = phase_.load(std::memory_order_relaxed);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == threads_ - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      phase_.store(phase + 1, std::memory_order_release);
+      return;
+    }
+    while (phase_.load(std::memory_order_acquire) == phase) {
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+    }
+  }
+
+ private:
+  int threads_ = 1;
+  alignas(64) std::atomic<int> count_{0};
+  alignas(64) std::atomic<int> phase_{0};
+};
+
+// Part `part` of `parts` of the range [0, n), as at::parallel_for splits it.
+inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t part, int64_t parts) {
+  const int64_t chunk = (n + parts - 1) / parts, begin = std::min(n, part * chunk);
+  return {begin, std::min(n, begin + chunk)};
+}
+
+// One row's kernels (csrc/runner_kernels.cpp, csrc/decoder_layers.cpp), which the whole-tensor ops run row by row.
+void rms_norm_row(const float* in, float* out, const float* weight, int64_t n, float eps);
+// residual += delta (when not null), then out = residual / rms(residual) * weight.
+void add_rms_norm_row(float* residual, const float* delta, const float* weight, float* out, int64_t n, float eps);
+// Rotates the first `heads` heads (D values each) of one token's row in place by its angles cos c and sin s (D).
+void rotate_row(float* row, int64_t heads, int64_t D, const float* c, const float* s);
+// out (n) = silu(gate) * up of one row [gate | up] (2 n).
+void silu_mul_row(const float* gate_up, float* out, int64_t n);
