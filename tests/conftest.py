@@ -1,5 +1,11 @@
 """Shared fixtures: the real default target (loaded once) and tiny random models for model-free behaviour."""
 
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -10,6 +16,25 @@ from specdecode.models import registry
 from specdecode.models.linear import EIGHT_BIT_INPUTS, cpu_kernels_available
 from specdecode.models.target import Target
 
+
+def _measurements_apart() -> None:
+    """Tests measure this machine as they run (kernel plans, verify-cost tables, a hybrid's round costs), under a
+    test session's load and with its threads about; cached where `specdecode` keeps them, those tables became
+    what every later run on the machine priced its drafts with (stop 57: a session's table put a four-position
+    pass at 1.71 one-position passes at 256 cached tokens; results/team_pass_ab.md: 1.49 at 128, 1.62 at 512).
+    The session keeps its measurements in a cache root of its own and shares only the built artifacts
+    (converted models, compiled kernels)."""
+    real = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdecode"
+    root = Path(tempfile.mkdtemp(prefix="specdecode-tests-"))
+    for shared in ("models", "kernels", "gguf"):
+        (real / shared).mkdir(parents=True, exist_ok=True)
+        (root / "specdecode").mkdir(exist_ok=True)
+        (root / "specdecode" / shared).symlink_to(real / shared, target_is_directory=True)
+    os.environ["XDG_CACHE_HOME"] = str(root)  # read at each use (specdecode/paths.py), by subprocesses too
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+
+
+_measurements_apart()
 needs_q8_rows = pytest.mark.skipif(
     not cpu_kernels_available() or not torch.ops.specdecode.q8_rows_available(), reason="no AVX2 kernels"
 )
