@@ -24,8 +24,11 @@ def _measurements_apart() -> None:
     pass at 1.71 one-position passes at 256 cached tokens; results/team_pass_ab.md: 1.49 at 128, 1.62 at 512).
     The session keeps its measurements in a cache root of its own and shares only the built artifacts
     (converted models, compiled kernels)."""
+    if os.environ.get("SPECDECODE_TESTS_CACHE"):  # this module imported again, or a test's subprocess: set up
+        return
     real = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdecode"
     root = Path(tempfile.mkdtemp(prefix="specdecode-tests-"))
+    os.environ["SPECDECODE_TESTS_CACHE"] = str(root)
     for shared in ("models", "kernels", "gguf"):
         (real / shared).mkdir(parents=True, exist_ok=True)
         (root / "specdecode").mkdir(exist_ok=True)
