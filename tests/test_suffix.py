@@ -378,6 +378,51 @@ def test_round_costs_time_a_later_round_not_the_prompts_first_drafting(monkeypat
     assert events[1 + len(round_events) : 1 + 2 * len(round_events)] == round_events
 
 
+def test_sampled_round_costs_time_the_sampled_drafting_and_each_pass_verification(monkeypatch, tmp_path):
+    """At T > 0 a round costs more than its passes: the drafter samples its chain (with its q), and each verified
+    position costs p and the block verification of the drafts before it. The sampled table times exactly that
+    (a sampled drafter, then after a pass over k positions one `verify_block` of its first k - 1 drafts with their
+    q), under a key of its own; the hybrid prices each request's rounds with the table of its kind."""
+    files = {}
+    monkeypatch.setattr(
+        hybrid_module,
+        "measurement_file",
+        lambda kind, key: files.setdefault(key.get("rounds"), tmp_path / f"{len(files)}.json"),
+    )
+    target = tiny_target(vocab_size=32, seed=3)
+    model = _tiny_dspark(target)
+    target.set_capture_layers(model.target_layer_ids)
+    verified, drafted_with = [], []
+    verify = hybrid_module.verify_block
+    monkeypatch.setattr(
+        hybrid_module,
+        "verify_block",
+        lambda p, tokens, q, generator, support: (
+            verified.append((len(tokens), q is not None)) or verify(p, tokens, q, generator, support)
+        ),
+    )
+    begin = type(model).begin
+    monkeypatch.setattr(
+        type(model), "begin", lambda self, ids, params, *a: drafted_with.append(params) or begin(self, ids, params, *a)
+    )
+    greedy = round_costs(target, model, context=16, reps=2)
+    assert not verified and all(p.greedy for p in drafted_with)
+    drafted_with.clear()
+    sampled = round_costs(target, model, context=16, reps=2, sampled=True)
+    assert len(files) == 2 and len(sampled.passes) == 8 and sampled.drafting > 0
+    assert drafted_with and all(p.temperature == 1.0 for p in drafted_with)
+    counts = [n for n, _ in verified]  # a pass over k positions verifies the first k - 1 sampled drafts, with q
+    drafts = max(counts)  # all the drafter's block holds
+    sweep = [min(k - 1, drafts) for k in range(1, 9)]
+    assert drafts > 0 and counts[: 2 * len(sweep)] == sweep * 2 and all(q for _, q in verified)
+
+    hybrid = HybridDrafter(model, Silent())
+    hybrid.check_target(target)  # both tables measured up front, not at a first sampled request
+    for params, table in ((SamplingParams(), greedy), (SamplingParams(temperature=0.7), sampled)):
+        hybrid.begin([3, 4, 5], params, torch.Generator(), None)
+        assert hybrid.costs == table
+
+
 def test_hybrid_in_the_continuous_engine_matches_normal_decoding():
     target = tiny_target(vocab_size=32, seed=3)
     model = _tiny_dspark(target)

@@ -171,7 +171,12 @@ def cost_digest(drafter: Drafter) -> str:
 
 
 def in_second_round(
-    drafter: Drafter, ids: list[int], features: TargetFeatures, draft_length: int, seed: int
+    drafter: Drafter,
+    ids: list[int],
+    features: TargetFeatures,
+    draft_length: int,
+    seed: int,
+    params: SamplingParams | None = None,
 ) -> Drafter:
     """A copy of `drafter` holding a request in its second round: begun on `ids[:-3]`, it proposed once and saw
     two drafts and the target's token committed (`ids`; `features` cover `ids[:-1]`). Drafting costs are timed
@@ -184,7 +189,7 @@ def in_second_round(
 
     state = copy.copy(drafter)
     prompt = ids[:-3]
-    state.begin(prompt, SamplingParams(), torch.Generator().manual_seed(seed), rows(slice(-3)))
+    state.begin(prompt, params or SamplingParams(), torch.Generator().manual_seed(seed), rows(slice(-3)))
     state.propose(prompt, draft_length)
     state.observe(ids, 2, rows(slice(-3, None)))
     return state

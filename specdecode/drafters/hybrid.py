@@ -7,13 +7,14 @@ faster round: tokens per second are estimated for both kinds of round as (1 + dr
 / (the round's cost), the model's drafts kept and verified per round taken from its rounds in this request
 (`DraftYield`). A round with the model costs its drafting plus a pass over the drafts the scheduler verifies
 (it cuts the model's 7 to 3-4 on average), one without it a one-position pass. Those costs (`RoundCosts`) are
-measured once per machine, target and drafter and cached on disk (like the SPS(B) table), not timed as rounds
-go: a choice that followed the clock would make a seeded sampling run give other tokens on every rerun. On
-copy-heavy text the suffix wins and the model's drafting pass is saved; where the model's drafts do not pay
-for their drafting time, rounds go without it (the suffix's proposal, often nothing: normal decoding). The
-model drafts again after `EXPLORE_EVERY` rounds without it, so its estimate stays current, and each such try
-that leaves it not paying doubles that wait (`Exploration`, as the drafting gate's). Both parts observe every
-round, so each stays in step with the committed text.
+measured once per machine, target and drafter, for greedy and for sampled rounds (at T > 0 the drafter samples
+its chain with its q, and every verified position costs its p and the block verification), and cached on disk
+(like the SPS(B) table), not timed as rounds go: a choice that followed the clock would make a seeded sampling
+run give other tokens on every rerun. On copy-heavy text the suffix wins and the model's drafting pass is saved;
+where the model's drafts do not pay for their drafting time, rounds go without it (the suffix's proposal, often
+nothing: normal decoding). The model drafts again after `EXPLORE_EVERY` rounds without it, so its estimate stays
+current, and each such try that leaves it not paying doubles that wait (`Exploration`, as the drafting gate's).
+Both parts observe every round, so each stays in step with the committed text.
 
 Lossless at any temperature: the choice depends only on the context and on earlier rounds, never on the
 model's drafts of this round, so whichever proposal is verified was drawn from the q it carries (choosing a
@@ -41,7 +42,8 @@ from specdecode.drafters.yields import DraftYield, Exploration
 from specdecode.machine import machine_info, measurement_file, quiet_samples, ratio_medians
 from specdecode.models.linear import kernels_digest
 from specdecode.models.target import Target
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, probabilities
+from specdecode.verify import verify_block
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class SharedEstimates:
     model's drafts kept and verified per round (a new request starts from them, then follows its own text),
     and when the model is tried again."""
 
-    costs: RoundCosts | None = None
+    costs: dict[bool, RoundCosts] = field(default_factory=dict)  # by whether the rounds sample (T > 0)
     model_yield: DraftYield = field(default_factory=DraftYield)
     exploration: Exploration = field(default_factory=lambda: Exploration(without=0))
 
@@ -79,7 +81,9 @@ class SharedEstimates:
 ROUND_COST_SWEEPS = 40  # ~4 s for SmolLM2 and the shipped DSpark on 2 cores, once per machine
 
 
-def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = ROUND_COST_SWEEPS) -> RoundCosts:
+def round_costs(
+    target: Target, model: Drafter, context: int = 128, reps: int = ROUND_COST_SWEEPS, sampled: bool = False
+) -> RoundCosts:
     """Seconds of passes over 1 .. 8 positions and of the model drafting 7 tokens, after `context` tokens: the
     one-position pass's median over `reps` sweeps, the rest at their median ratio to it within a sweep
     (`ratio_medians`). Measured together, once, and cached per machine, target and drafter under
@@ -95,7 +99,11 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
     prefix scheduler verified 3.8 drafts of its 7 on average at T=0 and 3.0 at T=1. The drafting timed is a
     request's second round (`in_second_round`): timing its first call priced a model round at 2.0x a normal step
     instead of ~1.4x. It follows a one-position pass, which leaves the caches holding the target's weights, not
-    the drafter's, as in decoding (drafting after a target pass: 2.2 ms against 1.7 ms right after drafting)."""
+    the drafter's, as in decoding (drafting after a target pass: 2.2 ms against 1.7 ms right after drafting).
+    `sampled`: as rounds at T = 1 cost them, the drafting sampling its chain and each pass followed by p at its
+    positions and the block verification of the drafts before them: on the Zen 3 EPYC the hybrid, pricing its
+    rounds at T = 1 as greedy ones, ran 0.89x normal decoding where with its model never drafting it ran 0.97x
+    (stop 57)."""
     key = {
         "passes": list(range(1, 9)),
         "drafting": "alone, second round, after a target pass",
@@ -109,6 +117,8 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
         "machine": machine_info(),
         "kernels": kernels_digest(),
     }
+    if sampled:  # greedy tables keep the key they were cached under
+        key["rounds"] = "sampled at T = 1: p and block verification after each pass"
     path = measurement_file("sps", key)
     if path.exists():
         try:
@@ -116,14 +126,17 @@ def round_costs(target: Target, model: Drafter, context: int = 128, reps: int = 
             return RoundCosts(tuple(cached["passes_s"]), cached["drafting_s"])
         except (json.JSONDecodeError, KeyError, TypeError):
             pass  # a damaged entry is measured again
-    drafting_s, *passes_s = ratio_medians(round_cost_sweeps(target, model, context, reps), reference=1)
+    drafting_s, *passes_s = ratio_medians(round_cost_sweeps(target, model, context, reps, sampled), reference=1)
     path.write_text(json.dumps({"key": key, "passes_s": passes_s, "drafting_s": drafting_s}, indent=1) + "\n")
     return RoundCosts(tuple(passes_s), drafting_s)
 
 
-def round_cost_sweeps(target: Target, model: Drafter, context: int, reps: int) -> list[list[float]]:
+def round_cost_sweeps(
+    target: Target, model: Drafter, context: int, reps: int, sampled: bool = False
+) -> list[list[float]]:
     """`reps` sweeps of [the model's drafting, a pass over 1, ..., over 8 positions] in seconds, after a warm-up;
-    a sweep while other processes were busy is measured again (`quiet_samples`). The target's cache is reset."""
+    a sweep while other processes were busy is measured again (`quiet_samples`). The target's cache is reset.
+    `sampled`: see `round_costs`."""
     ids = [(7 * i) % target.config.vocab_size for i in range(context)]
     target.set_capture_layers(model.target_layer_ids)
     target.reset()
@@ -136,15 +149,28 @@ def round_cost_sweeps(target: Target, model: Drafter, context: int, reps: int) -
         run()
         return time.perf_counter() - start
 
+    params = SamplingParams(temperature=1.0 if sampled else 0.0)
+    generator = torch.Generator().manual_seed(0)
+
+    def verified_pass(k: int, drafts: Proposal) -> None:
+        """A pass over k positions; sampled, then p there and the block verification of k - 1 drafts (the
+        drafter's own, with their q: what a model round verifies)."""
+        logits = target.forward(torch.tensor(ids[-k:])).logits
+        if sampled:
+            part = drafts.prefix(k - 1)
+            verify_block(probabilities(logits, params), part.tokens, part.probs, generator, part.support)
+
     def one_sweep() -> list[float]:
         """Seconds of the drafting (just after a one-position pass, which leaves the caches as a round finds
         them: the target's), then of each pass."""
-        drafter = in_second_round(model, ids, features, 7, next(seeds))
+        drafter = in_second_round(model, ids, features, 7, next(seeds), params)
         target.forward(torch.tensor(ids[-1:]))
         target.rollback(context - 1)
-        seconds = [timed(lambda: drafter.propose(ids, 7))]
+        start = time.perf_counter()
+        drafts = drafter.propose(ids, 7)
+        seconds = [time.perf_counter() - start]
         for k in range(1, 9):
-            seconds.append(timed(lambda k=k: target.forward(torch.tensor(ids[-k:]))))
+            seconds.append(timed(lambda k=k: verified_pass(k, drafts)))
             target.rollback(context - 1)
         return seconds
 
@@ -169,15 +195,18 @@ class HybridDrafter(Drafter):
         self.target_layer_ids = list(model.target_layer_ids)
         self.has_confidences = model.has_confidences
         self.gates_itself = True
-        self.shared = SharedEstimates(costs, DraftYield(kept=model_prior, verified=model_prior))
+        given = {} if costs is None else {False: costs, True: costs}
+        self.shared = SharedEstimates(given, DraftYield(kept=model_prior, verified=model_prior))
+        self.costs = costs  # of this request's kind of rounds, greedy or sampled (`begin`)
         self._owner: HybridDrafter | None = None  # the instance whose request the parts' state belongs to
         self.model_length: int | None = None  # the model's drafts per round, from the engine's draft length
 
     def check_target(self, target: Target) -> None:
         self.model.check_target(target)
         self.suffix.check_target(target)
-        if self.shared.costs is None:
-            self.shared.costs = round_costs(target, self.model)
+        for sampled in (False, True):  # both measured here, not at a first sampled request
+            if sampled not in self.shared.costs:
+                self.shared.costs[sampled] = round_costs(target, self.model, sampled=sampled)
 
     def begin(self, prompt_ids, params: SamplingParams, generator: torch.Generator, features) -> None:
         if self._owner is not self:  # a per-request shallow copy (the continuous engine): parts of its own
@@ -189,12 +218,13 @@ class HybridDrafter(Drafter):
         self.model_pending: tuple[int, list[int]] | None = None
         self.model_verified = 0  # of the model's drafts this round, how many the target verifies
         self.model_tried = False  # the model drafts this round only because it was due a try
+        self.costs = self.shared.costs[not params.greedy]
 
     def _wants_model(self, suffix_expected: float) -> bool:
         """Whether a round with the model's drafts is expected to give more tokens per second."""
-        shared, expected = self.shared, self.model_yield
+        shared, expected, costs = self.shared, self.model_yield, self.costs
         self.model_tried = False
-        if (1 + expected.kept) / shared.costs.model(expected.verified) > (1 + suffix_expected) / shared.costs.light():
+        if (1 + expected.kept) / costs.model(expected.verified) > (1 + suffix_expected) / costs.light():
             return True
         self.model_tried = shared.exploration.due()
         return self.model_tried

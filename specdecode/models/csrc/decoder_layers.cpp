@@ -44,7 +44,7 @@ inline v8 silu8(v8 x) {
 // a product and their two allocations (~3 us a layer of a one-token pass, stop 50). Each element is computed the
 // same way wherever it sits (the tail through lane 0 of the vector code), so a row's result never depends on M.
 // The C++ loop and the Python loop both call it, so they still agree bit for bit; against ATen's silu it differs
-// by rounding (~1e-7 relative).
+// by rounding (~1e-7 relative). `silu_mul_row`: one row.
 void silu_mul_row(const float* gate_up, float* out, int64_t n) {
   const float* up = gate_up + n;
   int64_t j = 0;
@@ -95,7 +95,7 @@ void norm_heads_(torch::Tensor& qkv, int64_t first, int64_t count, int64_t D, co
 // Copies, for every query (row r, position i < counts[r], packed at first[r] + i), its kv heads' keys and
 // values from the qkv rows (heads of D values: keys at heads H .. H + KV - 1 of a row, its values right after)
 // into cache entry starts[r] + i of slot slots[r]; a bfloat16 cache takes them rounded to nearest even, as a
-// tensor copy rounds them in the Python loop.
+// tensor copy rounds them in the Python loop. `write_cache_row`: one query's, its entry at `at` of every kv head.
 template <typename Entry>
 void write_cache_row(const float* row, Entry* kp, Entry* vp, int64_t at, int64_t head_stride, int64_t H, int64_t KV,
                      int64_t D) {
@@ -293,8 +293,12 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
       paths.has_value() ? c10::optional<torch::Tensor>(torch::tensor(starts.vec(), slots.options())) : c10::nullopt;
   bool team = at::get_num_threads() > 1 && !at::in_parallel_region() && x.is_contiguous() && cos.is_contiguous() &&
               sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat;
-  for (int64_t layer = 0; team && layer < layers; ++layer)
-    for (const int64_t i : {1, 2, 4, 5}) team = team && q8_rows_weights(weights[layer * per_layer + i]);
+  for (int64_t layer = 0; team && layer < layers; ++layer) {  // qkv, o, gate_up, down: rows of the widths they meet
+    const torch::Tensor* w = weights.data() + layer * per_layer;
+    for (const int64_t i : {1, 2, 4, 5}) team = team && q8_rows_weights(w[i]);
+    team = team && w[1].size(1) * 32 == x.size(1) && w[1].size(0) * 8 == (H + 2 * KV) * D &&
+           w[2].size(1) * 32 == H * D && w[4].size(1) * 32 == x.size(1) && w[4].size(0) * 8 == 2 * w[5].size(1) * 32;
+  }
   if (team) {
     const auto path_entries = paths.has_value() ? paths->contiguous() : torch::Tensor();
     Pass pass{x, keys, values, cos, sin, slots, limits.contiguous(), paths.has_value() ? &path_entries : nullptr,
