@@ -102,7 +102,7 @@ def round_costs(
     the drafter's, as in decoding (drafting after a target pass: 2.2 ms against 1.7 ms right after drafting).
     `sampled`: as rounds at T = 1 cost them, the drafting sampling its chain and each pass followed by p at its
     positions and the block verification of the drafts before them: on the Zen 3 EPYC a model round verifying 3
-    drafts costs 2.30 light rounds so, where the greedy table says 2.05 (results/sampled_costs_ab.md)."""
+    drafts costs 2.30 light rounds where the greedy table says 2.05 (results/sampled_costs_ab.md)."""
     key = {
         "passes": list(range(1, 9)),
         "drafting": "alone, second round, after a target pass",
