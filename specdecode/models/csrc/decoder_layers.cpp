@@ -79,17 +79,17 @@ constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post-attention n
 constexpr int64_t kHeadNormWeights = 2;  // with head_norms, then: q norm, k norm
 
 // RMS-normalises, in place, heads first .. first + count - 1 of every row of qkv (M, width) over their D
-// values with `weight` (D).
+// values with `weight` (D); `norm_heads_row`: those heads of one row.
+void norm_heads_row(float* row, int64_t first, int64_t count, int64_t D, const float* weight, float eps) {
+  for (int64_t h = first; h < first + count; ++h) rms_norm_row(row + h * D, row + h * D, weight, D, eps);
+}
+
 void norm_heads_(torch::Tensor& qkv, int64_t first, int64_t count, int64_t D, const torch::Tensor& weight,
                  double eps) {
   float* base = qkv.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
   const int64_t M = qkv.size(0), width = qkv.size(1);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t h = first; h < first + count; ++h) {
-      float* v = base + m * width + h * D;
-      rms_norm_row(v, v, w, D, static_cast<float>(eps));
-    }
+    norm_heads_row(base + m * width, first, count, D, weight.data_ptr<float>(), static_cast<float>(eps));
 }
 
 // Copies, for every query (row r, position i < counts[r], packed at first[r] + i), its kv heads' keys and
@@ -121,7 +121,22 @@ void write_cache(const torch::Tensor& qkv, torch::Tensor keys, torch::Tensor val
 
 // Query head `head` of packed row m (row r, position i) goes to (r, kv, g * Q + i) of the grouped queries
 // (R, KV, group * Q, D) that cached_attention takes (head = kv * group + g): the heads sharing a kv head together.
-inline int64_t grouped_query(int64_t r, int64_t head, int64_t i, int64_t H, int64_t Q) { return (r * H + head) * Q + i; }
+inline int64_t grouped_query(int64_t r, int64_t head, int64_t i, int64_t H, int64_t Q) {
+  return (r * H + head) * Q + i;
+}
+
+// The H query heads of one packed row (row r, position i) into the grouped queries, and its heads' attention
+// outputs back from the grouped outputs (same layout) into its row.
+inline void group_queries_row(float* grouped, const float* row, int64_t r, int64_t i, int64_t H, int64_t Q, int64_t D) {
+  for (int64_t head = 0; head < H; ++head)
+    std::memcpy(grouped + grouped_query(r, head, i, H, Q) * D, row + head * D, D * sizeof(float));
+}
+
+inline void ungroup_outputs_row(float* row, const float* grouped, int64_t r, int64_t i, int64_t H, int64_t Q,
+                                int64_t D) {
+  for (int64_t head = 0; head < H; ++head)
+    std::memcpy(row + head * D, grouped + grouped_query(r, head, i, H, Q) * D, D * sizeof(float));
+}
 
 // What a pass's layers need besides the weights, checked once by decoder_layers.
 struct Pass {
@@ -149,18 +164,13 @@ torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, in
   auto qkv = torch::empty({M, width}, options), attended = torch::empty({M, H * D}, options);
   auto h = torch::empty({M, hidden}, options), projected = torch::empty({M, hidden}, options);
   auto gate_up = torch::empty({M, 2 * inner}, options), act = torch::empty({M, inner}, options);
-  auto delta = torch::zeros({M, hidden}, options);
+  auto delta = torch::empty({M, hidden}, options);  // the first layer adds none (`layer > 0` below)
   auto q = torch::zeros({p.R, KV, p.group * p.Q, D}, options);  // padded queries stay zero: finite, never read
   auto out = torch::empty_like(q);
   Q8Inputs rounded_hidden, rounded_heads, rounded_inner;  // the next product's input rows, rounded
-  for (auto* in : {&rounded_hidden, &rounded_heads, &rounded_inner}) in->M = M;
-  rounded_hidden.K = hidden;
-  rounded_heads.K = H * D;
-  rounded_inner.K = inner;
-  for (auto* in : {&rounded_hidden, &rounded_heads, &rounded_inner}) {
-    in->q.resize(M * in->K);
-    in->scales.resize(M * in->K / 32);
-  }
+  rounded_hidden.size_for(M, hidden);
+  rounded_heads.size_for(M, H * D);
+  rounded_inner.size_for(M, inner);
   std::vector<int64_t> row_of(M), position_of(M);  // packed row m is token position_of[m] of row row_of[m]
   for (int64_t r = 0; r < p.R; ++r)
     for (int64_t i = 0; i < p.counts[r]; ++i) {
@@ -168,10 +178,9 @@ torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, in
       position_of[p.first[r] + i] = i;
     }
   for (const int64_t c : capture) captured.push_back(torch::empty({M, hidden}, options));
-  std::vector<AttentionWork> attention;
-  for (int64_t layer = 0; layer < layers; ++layer)
-    attention.push_back(attention_work(q, p.keys.select(0, layer), p.values.select(0, layer), p.slots, p.limits,
-                                       p.scale, p.paths, p.path_starts, out));
+  // checked once: the layers' caches differ only by where they start
+  const AttentionWork layer0 = attention_work(q, p.keys.select(0, 0), p.values.select(0, 0), p.slots, p.limits,
+                                              p.scale, p.paths, p.path_starts, out);
   float *x = p.x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *op = out.data_ptr<float>(), *ap = attended.data_ptr<float>();
   float *pp = projected.data_ptr<float>(), *gp = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
@@ -214,24 +223,23 @@ torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, in
       for (int64_t m = m0; m < m1; ++m) {
         float* row = qkvp + m * width;
         if (head_norms) {
-          for (int64_t head = 0; head < H + KV; ++head)
-            rms_norm_row(row + head * D, row + head * D, w[kWeightsPerLayer + (head >= H)].data_ptr<float>(), D, eps);
+          norm_heads_row(row, 0, H, D, w[kWeightsPerLayer].data_ptr<float>(), eps);
+          norm_heads_row(row, H, KV, D, w[kWeightsPerLayer + 1].data_ptr<float>(), eps);
         }
         rotate_row(row, H + KV, D, cos + m * D, sin + m * D);
         const int64_t r = row_of[m], i = position_of[m];
         write_cache_row(row, keys + layer * layer_stride, values + layer * layer_stride,
                         slots[r] * slot_stride + (p.starts[r] + i) * D, head_stride, H, KV, D);
-        for (int64_t head = 0; head < H; ++head)
-          std::memcpy(qp + grouped_query(r, head, i, H, p.Q) * D, row + head * D, D * sizeof(float));
+        group_queries_row(qp, row, r, i, H, p.Q, D);
       }
       barrier.wait();
-      const auto [i0, i1] = share_of(attention[layer].items, part, parts);
-      attention[layer].run(i0, i1);
+      AttentionWork attention = layer0;
+      attention.keys = keys + layer * layer_stride;
+      attention.values = values + layer * layer_stride;
+      const auto [i0, i1] = share_of(attention.items, part, parts);
+      attention.run(i0, i1);
       barrier.wait();
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t head = 0; head < H; ++head)
-          std::memcpy(ap + m * H * D + head * D, op + grouped_query(row_of[m], head, position_of[m], H, p.Q) * D,
-                      D * sizeof(float));
+      for (int64_t m = m0; m < m1; ++m) ungroup_outputs_row(ap + m * H * D, op, row_of[m], position_of[m], H, p.Q, D);
       round(ap, rounded_heads);
       product(rounded_heads, w[2], pp);
       for (int64_t m = m0; m < m1; ++m)
@@ -333,17 +341,13 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
     float* qp = q.data_ptr<float>();
     const int64_t width = qkv.size(1);
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t head = 0; head < H; ++head)
-        for (int64_t i = 0; i < counts[r]; ++i)
-          std::memcpy(qp + grouped_query(r, head, i, H, Q) * D, src + (first[r] + i) * width + head * D, D * sizeof(float));
+      for (int64_t i = 0; i < counts[r]; ++i) group_queries_row(qp, src + (first[r] + i) * width, r, i, H, Q, D);
     auto out = cached_attention(q, layer_keys, layer_values, slots, limits, scale, paths,
                                 path_starts);  // (R, KV, group * Q, D)
     const float* op = out.data_ptr<float>();
     float* ap = attended.data_ptr<float>();
     for (int64_t r = 0; r < R; ++r)
-      for (int64_t head = 0; head < H; ++head)
-        for (int64_t i = 0; i < counts[r]; ++i)
-          std::memcpy(ap + (first[r] + i) * H * D + head * D, op + grouped_query(r, head, i, H, Q) * D, D * sizeof(float));
+      for (int64_t i = 0; i < counts[r]; ++i) ungroup_outputs_row(ap + (first[r] + i) * H * D, op, r, i, H, Q, D);
     h = add_rms_norm(x, few_rows_linear(attended, w[2]), w[3], eps);
     auto gate_up = few_rows_linear(h, w[4]);
     delta = few_rows_linear(silu_mul(gate_up), w[5]);

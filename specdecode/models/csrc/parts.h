@@ -18,13 +18,19 @@ struct Q8Inputs {
   std::vector<int8_t> q;        // (M, K)
   std::vector<Q8Scale> scales;  // (M, K / 32)
   int64_t M = 0, K = 0;
+  void size_for(int64_t rows, int64_t width) {  // M rows of K inputs, the buffers grown where they are short
+    M = rows;
+    K = width;
+    if (q.size() < static_cast<size_t>(M * K)) q.resize(M * K);
+    if (scales.size() < static_cast<size_t>(M * K / 32)) scales.resize(M * K / 32);
+  }
 };
 
 // True where w is interleaved Q4_1 or Q8_0 groups (N / 8, K / 32, 160 or 272) and this build has the kernel.
 bool q8_rows_weights(const torch::Tensor& w);
 // Rounds x (M, K) into `in`, reusing its buffers.
 void q8_round_inputs(const float* x, int64_t M, int64_t K, Q8Inputs& in);
-// Rounds rows m0 .. m1 - 1 of x (in.M, in.K) into `in`, whose buffers already hold in.M rows.
+// Rounds rows m0 .. m1 - 1 of x (in.M, in.K) into `in`, sized for them (`size_for`).
 void q8_round_rows(const float* x, int64_t m0, int64_t m1, Q8Inputs& in);
 // Groups g0 .. g1 - 1 of eight output columns of y (M, N) = rounded rows . w^T; each output is computed the same
 // way whichever part holds it.

@@ -196,10 +196,7 @@ void q8_round_rows(const float* x, int64_t m0, int64_t m1, Q8Inputs& in) {
 }
 
 void q8_round_inputs(const float* x, int64_t M, int64_t K, Q8Inputs& in) {
-  if (in.q.size() < static_cast<size_t>(M * K)) in.q.resize(M * K);
-  if (in.scales.size() < static_cast<size_t>(M * K / 32)) in.scales.resize(M * K / 32);
-  in.M = M;
-  in.K = K;
+  in.size_for(M, K);
   q8_round_rows(x, 0, M, in);
 }
 
