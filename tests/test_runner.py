@@ -10,6 +10,7 @@ any real mistake (a wrong position, mask or cache entry) moves logits by whole u
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -521,6 +522,21 @@ def test_forced_kernels_compute_the_same_and_auto_picks_a_measured_candidate(tmp
     assert list(tmp_path.glob("specdecode/kernel-plans/*.json"))  # measured once, then read back, not re-timed
     again = plan_kernels(linears, "auto", {"test": "auto"})
     assert again["choice"] == plan["choice"] and again["timings"] == json.loads(json.dumps(plan["timings"]))
+
+
+def test_a_kernel_far_behind_in_the_first_timed_sweep_is_timed_no_more(monkeypatch):
+    """The planner's race: a kernel several times the fastest sits out the remaining sweeps, keeps that sweep's
+    time, and the others are timed every sweep."""
+    calls: dict[str, int] = {}
+
+    def run(self, x, kernel):
+        calls[kernel] = calls.get(kernel, 0) + 1
+        time.sleep(0.02 if kernel == "onednn" else 0.002)
+
+    monkeypatch.setattr(Linear, "run", run)
+    timings = linear_module._time_sweeps([Linear(torch.zeros(4, 4))], ["stock", "onednn"], rows=1, reps=4)
+    assert calls == {"stock": 5, "onednn": 2}  # a warm-up and four timed sweeps; a warm-up and one
+    assert timings["onednn"] > linear_module.OUT_OF_THE_RACE * timings["stock"]
 
 
 def test_a_plan_measured_beside_other_processes_is_not_cached(tmp_path, monkeypatch):
