@@ -566,11 +566,12 @@ def cmd_bench(args) -> None:
     elif args.bench == "drafting":
         from specdecode.evaluation.drafting_bench import run_drafting_bench
 
+        requests, contexts = _positions(args.requests, "--requests"), _positions(args.contexts, "--contexts")
         run_drafting_bench(
             _load_target(args),
             args.drafter,
-            _positions(args.requests, "--requests"),
-            _positions(args.contexts, "--contexts"),
+            requests,
+            contexts,
             args.draft_length,
             args.repeats,
             args.out,
@@ -756,9 +757,10 @@ def _layer_ids(text: str | None) -> list[int] | None:
 def cmd_train(args) -> None:
     import torch
 
-    from specdecode.training.run import run_training
+    from specdecode.training.run import check_training_request, run_training
     from specdecode.training.trainer import TrainConfig
 
+    check_training_request(args.drafter, args.max_conversations)  # before minutes of loading, not after
     target = _load_target(args)
     precision = args.precision
     if precision == "auto":

@@ -79,7 +79,8 @@ def test_a_bias_mends_what_no_temperature_can():
     """Logits below 0 that overstate survival (shifted by -1): temperature-only STS stays off, the bias fits."""
     fit_half, report_half = synthetic_rounds(true_temperatures=(1.0, 1.0), true_biases=(-1.0, 0.5)).split()
     paper = fit_sequential_temperatures(fit_half, bias_grid=torch.zeros(1, dtype=torch.float64))
-    ours = fit_sequential_temperatures(fit_half)
+    # a bias every 0.1 instead of every 0.02 (BIAS_GRID): the same search, a fifth of its ~30 s
+    ours = fit_sequential_temperatures(fit_half, bias_grid=torch.linspace(-2, 2, 41, dtype=torch.float64))
     assert ours.biases[0] == pytest.approx(-1.0, abs=0.35)
     assert ours.temperatures[0] == pytest.approx(1.0, rel=0.3)
     for k in range(2):

@@ -1,7 +1,7 @@
 """The CLI's promise: bad input gets one clear line on stderr, a non-zero exit status, never a traceback.
 
-Every case runs the real CLI in a subprocess. Cases rejected during argument validation exit before the
-target is loaded (about the cost of importing torch); the others load the default target (a few seconds).
+Cases rejected during argument validation run the CLI's `main` in the test process; the others run the real
+CLI in a subprocess and load the default target (a few seconds each).
 """
 
 import json
@@ -27,6 +27,18 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         env=env,
         timeout=timeout,
     )
+
+
+def run_main(capfd: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """The CLI's `main` in this process, with what it wrote to stdout and stderr: for checks that need no fresh
+    process (a subprocess spends ~3 s importing torch and transformers before it parses an argument). The
+    subprocess cases below hold the real entry point to the same promise."""
+    from specdecode.cli import main
+
+    capfd.readouterr()  # what earlier code of this process wrote is not this command's
+    code = main(list(args))
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess, expected: str) -> str:
@@ -85,11 +97,11 @@ VALIDATION_CASES = [
 
 
 @pytest.mark.parametrize(("args", "expected"), VALIDATION_CASES, ids=[" ".join(a) for a, _ in VALIDATION_CASES])
-def test_bad_arguments_give_one_line(args, expected, converted_target):
-    """Bad arguments (including an argparse type error) exit non-zero with one clear line, no traceback.
-    Some are checked after the target loads (train's), so the target is converted and planned first: a
-    machine's first load prints a note of its own."""
-    assert_one_line_error(run_cli(*args), expected)
+def test_bad_arguments_give_one_line(args, expected, capfd, smollm2):
+    """Bad arguments (including an argparse type error) exit non-zero with one clear line, no traceback (one
+    would fail the test here). Some are checked after the target loads (the context of `bench drafting`), so
+    this process's target is loaded and planned first: a machine's first load prints a note of its own."""
+    assert_one_line_error(run_main(capfd, *args), expected)
 
 
 LOADED_CASES = [
@@ -100,15 +112,20 @@ LOADED_CASES = [
 
 
 @pytest.mark.parametrize(("args", "expected"), LOADED_CASES, ids=["unknown-drafter", "other-vocab", "broken-config"])
-def test_errors_after_loading_give_one_line(args, expected, converted_target, other_vocab_model, broken_config_model):
+def test_errors_after_loading_give_one_line(args, expected, capfd, smollm2, other_vocab_model, broken_config_model):
     """Errors found once the target is loaded are still one line: no weight-loading bar, no traceback."""
     folders = {"other_vocab_model": other_vocab_model, "broken_config_model": broken_config_model}
-    assert_one_line_error(run_cli(*[a.format(**folders) for a in args]), expected)
+    assert_one_line_error(run_main(capfd, *[a.format(**folders) for a in args]), expected)
+
+
+def test_the_installed_command_gives_one_line_after_loading(converted_target):
+    """The same promise through the real entry point, in a process of its own: its exit status and stderr."""
+    assert_one_line_error(run_cli("generate", "hi", "--drafter", "nope"), "unknown drafter")
 
 
 def test_prompt_longer_than_context_gives_one_line(converted_target):
     """A raw prompt of more tokens than the target's context is refused with one line naming the context."""
-    line = assert_one_line_error(run_cli("generate", LONG_PROMPT, "--raw"), "context")
+    line = assert_one_line_error(run_cli("generate", LONG_PROMPT, "--raw", "--drafter", "none"), "context")
     numbers = re.search(r"prompt has (\d+) tokens .* context holds (\d+)", line)
     assert numbers, line
     prompt_tokens, context = int(numbers.group(1)), int(numbers.group(2))
@@ -133,13 +150,13 @@ def test_generate_json_success(converted_target):
     assert completion["target_passes"] == len(completion["accepted_lengths"])
 
 
-def test_generate_defaults_to_the_prefix_scheduler_and_stays_lossless(converted_target):
+def test_generate_defaults_to_the_prefix_scheduler_and_stays_lossless(capfd, smollm2):
     """With no options, `generate` runs the default drafter (suffix decoding + the shipped DSpark) under DSpark's
     prefix scheduler, and at temperature 0 its tokens are normal greedy decoding's."""
     runs = {}
     args = ("generate", "List three prime numbers.", "--max-new-tokens", "24", "--json")
     for drafter in ("default", "none"):
-        done = run_cli(*args, "--drafter", drafter)
+        done = run_main(capfd, *args, "--drafter", drafter)
         assert done.returncode == 0, done.stderr
         runs[drafter] = json.loads(done.stdout)
     assert runs["default"]["scheduler"] == "prefix" and runs["none"]["scheduler"] == "fixed"
@@ -147,12 +164,12 @@ def test_generate_defaults_to_the_prefix_scheduler_and_stays_lossless(converted_
     assert tokens["default"] == tokens["none"] and len(tokens["none"]) >= 8
 
 
-def test_seeded_samples_are_reproducible(converted_target):
+def test_seeded_samples_are_reproducible(capfd, smollm2):
     """--num-samples 3 gives three completions, and the same seed gives the same token ids on a rerun."""
     args = ("generate", "Say hi.", "--max-new-tokens", "8", "--num-samples", "3", "--temperature", "0.8")
     runs = []
     for _ in range(2):
-        done = run_cli(*args, "--seed", "1", "--json")
+        done = run_main(capfd, *args, "--seed", "1", "--json")
         assert done.returncode == 0, done.stderr
         completions = json.loads(done.stdout)["completions"]
         assert len(completions) == 3

@@ -16,7 +16,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.sampling import SamplingParams, sample
 from specdecode.verify import ChainResult, TreeResult, verify_greedy, verify_tree, verify_tree_greedy
 from tests.conftest import tiny_target
-from tests.test_cli_errors import assert_one_line_error, run_cli
+from tests.test_cli_errors import assert_one_line_error, run_main
 from tests.test_lossless import PROMPTS, exact_two_token_distribution
 from tests.test_verify import chi_square_pvalue
 
@@ -242,9 +242,11 @@ def test_tree_mode_needs_a_branching_drafter(smollm2):
         ("a,b,c", "comma-separated integers"),
     ],
 )
-def test_cli_rejects_bad_tree_settings(tree, expected):
-    assert_one_line_error(run_cli("generate", "Hi", "--tree", tree), expected)
+def test_cli_rejects_bad_tree_settings(tree, expected, capfd):
+    assert_one_line_error(run_main(capfd, "generate", "Hi", "--tree", tree), expected)
 
 
-def test_cli_tree_with_a_chain_drafter_gives_one_line(converted_target):
-    assert_one_line_error(run_cli("generate", "Hi", "--drafter", "ngram", "--tree", "5,4,8"), "cannot draft trees")
+def test_cli_tree_with_a_chain_drafter_gives_one_line(capfd, smollm2):
+    assert_one_line_error(
+        run_main(capfd, "generate", "Hi", "--drafter", "ngram", "--tree", "5,4,8"), "cannot draft trees"
+    )

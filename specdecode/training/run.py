@@ -47,6 +47,14 @@ def is_held_out(example_id: str, fraction: float) -> bool:
     return int(hashlib.sha256(example_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
 
 
+def check_training_request(kind: str, max_conversations: int | None) -> None:
+    """Raise `SpecDecodeError` for a kind of drafter or a data size that no training could take."""
+    if kind not in TRAINABLE_KINDS:
+        raise SpecDecodeError(f"unknown drafter kind '{kind}'; choose one of {', '.join(TRAINABLE_KINDS)}")
+    if max_conversations is not None and max_conversations < 1:
+        raise SpecDecodeError(f"--max-conversations must be >= 1, got {max_conversations}")
+
+
 def run_training(
     kind: str,
     target: Target,
@@ -64,10 +72,7 @@ def run_training(
     order) and the same held-out set, for scaling curves. `init` fine-tunes a trained drafter of that kind
     instead of a fresh one: its architecture, target layers and draft vocabulary are kept, its calibration is
     dropped (it no longer describes the weights; run `specdecode calibrate` again)."""
-    if kind not in TRAINABLE_KINDS:
-        raise SpecDecodeError(f"unknown drafter kind '{kind}'; choose one of {', '.join(TRAINABLE_KINDS)}")
-    if max_conversations is not None and max_conversations < 1:
-        raise SpecDecodeError(f"--max-conversations must be >= 1, got {max_conversations}")
+    check_training_request(kind, max_conversations)
     architecture = dict(architecture or {})
     layer_ids = architecture.pop("target_layer_ids", None) or recipe_layer_ids(kind, target.num_layers)
     initial = None
