@@ -433,16 +433,18 @@ def test_eight_bit_inputs_on_the_default_target_stay_lossless_and_near_float32_i
         assert completion.token_ids == reference and completion.stats.position_attempts
 
 
-def test_an_exact_plan_takes_eight_bit_inputs_at_every_exact_bucket_or_at_none():
+def test_an_exact_plan_takes_eight_bit_inputs_at_every_bucket_or_at_none():
     """The 8-bit-input kernel computes other bits than the float32 ones: where it is the fastest at one row
-    count and not at another, the exact buckets still all take one family, the faster in sum."""
+    count and not at another, the exact buckets still all take one family, the faster in sum, and the larger
+    buckets the fastest of that family."""
     q8, gguf, floats = "few-rows-q8", "few-rows-gguf", "few-rows"
     timings = {1: {floats: 9.0, gguf: 5.0, q8: 3.5}, 2: {floats: 9.0, gguf: 5.0, q8: 4.0}}  # q8 28.5 ms in sum, gguf 28
     timings |= {b: {floats: 9.0, gguf: 6.0, q8: 7.0} for b in (4, 8, 16)}
-    timings |= {b: {"onednn": 1.0, gguf: 6.0, q8: 5.0} for b in (32, 64, 128)}
-    assert same_bits_where_exact(timings) == {1: gguf, 2: gguf, 4: gguf, 8: gguf, 16: gguf}
+    timings |= {b: {"onednn": 1.0, gguf: 6.0, q8: 0.5} for b in (32, 64)} | {128: {"onednn": 1.0, q8: 5.0}}
+    larger = {32: "onednn", 64: "onednn", 128: "onednn"}
+    assert same_bits_where_exact(timings) == {1: gguf, 2: gguf, 4: gguf, 8: gguf, 16: gguf} | larger
     timings[8][q8] = 2.0
-    assert same_bits_where_exact(timings) == {1: q8, 2: q8, 4: q8, 8: q8, 16: q8}
+    assert same_bits_where_exact(timings) == {b: q8 for b in ROW_BUCKETS}
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")

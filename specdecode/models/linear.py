@@ -360,8 +360,11 @@ def _time_sweeps(linears: list[Linear], kernels: list[str], rows: int, reps: int
 
 def same_bits_where_exact(timings: dict[int, dict[str, float]]) -> dict[int, str]:
     """An exact plan's buckets up to `FEW_ROWS_MAX` must compute the same bits per row, so the 8-bit-input kernel
-    takes all of them or none: the fastest kernel of each bucket among the family whose summed best times are
-    the smaller."""
+    takes all of them or none: the fastest kernel of each bucket among the family whose summed best times there
+    are the smaller. The larger buckets keep to that family too (the fastest of it at each), so a prompt's
+    prefill or a batch of many rows rounds its inputs as the plan's steps do: a plan timed beside another job
+    once took the 8-bit kernel at up to 16 rows and oneDNN's float32 at 32 and more, and a batched pass of three
+    prompts (bucket 128) then differed from their one-request passes (buckets 32 and 64) by 1.3 in a logit."""
     exact = [b for b in timings if b <= FEW_ROWS_MAX]
 
     def best(bucket: int, eight_bit: bool) -> str | None:
@@ -371,7 +374,9 @@ def same_bits_where_exact(timings: dict[int, dict[str, float]]) -> dict[int, str
     families = [[best(b, eight_bit) for b in exact] for eight_bit in (False, True)]
     families = [f for f in families if None not in f]
     chosen = min(families, key=lambda f: sum(timings[b][k] for b, k in zip(exact, f, strict=True)))
-    return dict(zip(exact, chosen, strict=True))
+    eight_bit = chosen[0] == EIGHT_BIT_INPUTS
+    larger = {b: best(b, eight_bit) or best(b, not eight_bit) for b in timings if b > FEW_ROWS_MAX}
+    return dict(zip(exact, chosen, strict=True)) | larger
 
 
 def has_gguf_rows(linears: list[Linear]) -> bool:
@@ -389,7 +394,8 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
         choice = {b: kernel if kernel in candidates(dtype, b, quantized=quantized) else "stock" for b in ROW_BUCKETS}
         timings: dict = {}
     else:
-        key = {**signature, "kernels": kernels_digest(), "threads": torch.get_num_threads(), "exact": exact}
+        key = {**signature, "kernels": kernels_digest(), "threads": torch.get_num_threads()}
+        key["exact"] = "one input rounding at every bucket" if exact else False  # a plan of the old rule replans
         # a new candidate replans
         key["candidates"] = {str(b): candidates(dtype, b, exact, quantized) for b in ROW_BUCKETS}
         path = cache_dir() / "kernel-plans" / f"{stable_digest(key)}.json"
