@@ -335,14 +335,15 @@ def _time_sweeps(linears: list[Linear], kernels: list[str], rows: int, reps: int
     """Fastest ms of one pass of `rows` rows through every linear (the weights stream as in a real pass), per
     kernel. The kernels take turns sweep by sweep, so a burst of another process's load hits them alike; the
     fastest sweep, not the median, is kept: such load can only slow a sweep down. A kernel more than
-    `OUT_OF_THE_RACE` times the fastest in the first timed sweep sits out the others (its time is that sweep's):
-    at 128 rows the few-rows kernels take 2-3.5x the best, and timing them five times was half of a first run's
-    ~45 s of planning on one Zen 3 core."""
+    `OUT_OF_THE_RACE` times the fastest in both the warm-up and the first timed sweep sits out the others (its
+    time is that sweep's): at 128 rows the few-rows kernels take 2-3.5x the best, and timing them five times was
+    half of a first run's ~45 s of planning on one Zen 3 core. Both sweeps, so that one burst of another
+    process's load cannot put the fastest kernel out."""
     weights = linears[0].weight.dtype
     inputs = {}
     for dtype in {input_dtype(k, weights) for k in kernels}:
         inputs[dtype] = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], dtype=dtype) for lin in linears}
-    times: dict[str, list[float]] = {k: [] for k in kernels}
+    times: dict[str, list[float]] = {k: [] for k in kernels}  # the warm-up first, left out of the result
     racing = list(kernels)
     for rep in range(reps + 1):
         for kernel in racing:
@@ -350,21 +351,21 @@ def _time_sweeps(linears: list[Linear], kernels: list[str], rows: int, reps: int
             start = time.perf_counter()
             for lin in linears:
                 lin.run(x[lin.weight.shape[1]], kernel)
-            if rep:  # the first sweep is a warm-up
-                times[kernel].append(time.perf_counter() - start)
+            times[kernel].append(time.perf_counter() - start)
         if rep == 1:
-            fastest = min(t[0] for t in times.values())
-            racing = [k for k in racing if times[k][0] <= OUT_OF_THE_RACE * fastest]
-    return {k: round(min(t) * 1000, 3) for k, t in times.items()}
+            seen = {k: min(times[k]) for k in racing}
+            racing = [k for k in racing if seen[k] <= OUT_OF_THE_RACE * min(seen.values())]
+    return {k: round(min(t[1:]) * 1000, 3) for k, t in times.items()}
 
 
 def same_bits_where_exact(timings: dict[int, dict[str, float]]) -> dict[int, str]:
     """An exact plan's buckets up to `FEW_ROWS_MAX` must compute the same bits per row, so the 8-bit-input kernel
     takes all of them or none: the fastest kernel of each bucket among the family whose summed best times there
     are the smaller. The larger buckets keep to that family too (the fastest of it at each), so a prompt's
-    prefill or a batch of many rows rounds its inputs as the plan's steps do: a plan timed beside another job
-    once took the 8-bit kernel at up to 16 rows and oneDNN's float32 at 32 and more, and a batched pass of three
-    prompts (bucket 128) then differed from their one-request passes (buckets 32 and 64) by 1.3 in a logit."""
+    prefill or a batch of many rows rounds its inputs as the plan's steps do: a plan timed beside a compile
+    took the 8-bit kernel up to 32 rows and oneDNN's float32 from 64, and a batched prefill of three prompts
+    (103 rows) then left other caches than their one-request prefills (31-38 rows): the next pass's logits 1.3
+    apart (the same failure, to the digit, with such a plan forced)."""
     exact = [b for b in timings if b <= FEW_ROWS_MAX]
 
     def best(bucket: int, eight_bit: bool) -> str | None:
