@@ -47,7 +47,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a pass with M rows uses the plan 
 FEW_ROWS_MAX = 16
 KERNELS = ("auto", "stock", "onednn", "few-rows", "few-rows-gguf", "few-rows-q8")
 EIGHT_BIT_INPUTS = "few-rows-q8"  # computes other bits than the float32 kernels (see `candidates`)
-OUT_OF_THE_RACE = 1.5  # a kernel this many times the fastest in a plan's first timed sweep is timed no more
+OUT_OF_THE_RACE = 1.5  # this many times the fastest in the warm-up and the first timed sweep: timed no more
 
 
 @functools.cache
