@@ -47,6 +47,9 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a pass with M rows uses the plan 
 FEW_ROWS_MAX = 16
 KERNELS = ("auto", "stock", "onednn", "few-rows", "few-rows-gguf", "few-rows-q8")
 EIGHT_BIT_INPUTS = "few-rows-q8"  # computes other bits than the float32 kernels (see `candidates`)
+# plans timed by this process, cached or not: one timed beside another job is not written, and a second load of
+# the same model in the process (the CLI's `main` run again, a test) would time it again and print its note again
+_PLANNED_HERE: dict[str, dict] = {}
 OUT_OF_THE_RACE = 1.5  # this many times the fastest in the warm-up and the first timed sweep: timed no more
 
 
@@ -399,8 +402,9 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
         key["exact"] = "one input rounding at every bucket" if exact else False  # a plan of the old rule replans
         # a new candidate replans
         key["candidates"] = {str(b): candidates(dtype, b, exact, quantized) for b in ROW_BUCKETS}
-        path = cache_dir() / "kernel-plans" / f"{stable_digest(key)}.json"
-        cached = json.loads(path.read_text()) if path.exists() else None
+        digest = stable_digest(key)
+        path = cache_dir() / "kernel-plans" / f"{digest}.json"
+        cached = _PLANNED_HERE.get(digest) or (json.loads(path.read_text()) if path.exists() else None)
         if cached and any(k.startswith("few-rows") for k in cached["choice"].values()) and not cpu_kernels_available():
             cached = None  # measured where the kernel built; here it did not
         if cached and cached.get("key") == key:
@@ -417,9 +421,11 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
             choice = {b: min(t, key=t.get) for b, t in timings.items()}
             if exact:
                 choice.update(same_bits_where_exact(timings))
+            plan = json.dumps({"key": key, "choice": choice, "timings": timings}, indent=1)
+            _PLANNED_HERE[digest] = json.loads(plan)  # as read back from the file
             if load.cores <= MAX_FOREIGN_CORES:  # a plan measured beside another job serves this process only
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({"key": key, "choice": choice, "timings": timings}, indent=1))
+                path.write_text(plan)
     uses_onednn = "onednn" in choice.values()
     for lin in linears:
         lin.plan = dict(choice)
