@@ -418,9 +418,10 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
             with ForeignLoad() as load:
                 for b in ROW_BUCKETS:
                     timings[b] = _time_sweeps(linears, candidates(dtype, b, exact, quantized), b, reps)
-            choice = {b: min(t, key=t.get) for b, t in timings.items()}
             if exact:
-                choice.update(same_bits_where_exact(timings))
+                choice = same_bits_where_exact(timings)
+            else:
+                choice = {b: min(t, key=t.get) for b, t in timings.items()}
             plan = json.dumps({"key": key, "choice": choice, "timings": timings}, indent=1)
             _PLANNED_HERE[digest] = json.loads(plan)  # as read back from the file
             if load.cores <= MAX_FOREIGN_CORES:  # a plan measured beside another job serves this process only
