@@ -50,14 +50,18 @@ int main(int argc, char**) {
 """
 
 
-def probe_peak(cores: int) -> list[float]:
+def build_probe(folder: Path) -> Path:
+    """The probe, compiled with the machine's compiler into `folder`."""
+    source, binary = folder / "probe.cpp", folder / "probe"
+    source.write_text(PROBE)
+    subprocess.run(["c++", "-O2", "-mavx2", "-o", str(binary), str(source)], check=True)
+    return binary
+
+
+def probe_peak(binary: Path, cores: int) -> list[float]:
     """GMAC/s of each of `cores` probes running at once."""
-    with tempfile.TemporaryDirectory() as tmp:
-        source, binary = Path(tmp) / "probe.cpp", Path(tmp) / "probe"
-        source.write_text(PROBE)
-        subprocess.run(["c++", "-O2", "-mavx2", "-o", str(binary), str(source)], check=True)
-        running = [subprocess.Popen([str(binary)], stdout=subprocess.PIPE, text=True) for _ in range(cores)]
-        return [float(p.communicate()[0].split()[0]) for p in running]
+    running = [subprocess.Popen([str(binary)], stdout=subprocess.PIPE, text=True) for _ in range(cores)]
+    return [float(p.communicate()[0].split()[0]) for p in running]
 
 
 def kernel_gmacs(linears: list, rows: int, threads: int, reps: int) -> tuple[float, float]:
@@ -84,8 +88,10 @@ def main() -> None:
     if not cpu_kernels_available() or not torch.ops.specdecode.q8_rows_available():
         raise SystemExit("the 8-bit-input kernel needs AVX2 (and F16C, FMA): not on this CPU")
     cores = os.cpu_count() or 1
-    alone = statistics.median(probe_peak(1)[0] for _ in range(3))
-    together = probe_peak(cores)
+    with tempfile.TemporaryDirectory() as folder:
+        binary = build_probe(Path(folder))
+        alone = statistics.median(probe_peak(binary, 1)[0] for _ in range(3))
+        together = probe_peak(binary, cores)
     peak = {1: alone, cores: sum(together)}
     target = Target.load()
     head = target.runner.lm_head
