@@ -192,12 +192,16 @@ def test_the_cpp_layer_loop_computes_what_the_python_loop_computes(smollm2):
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler on this machine")
-def test_a_tree_pass_computes_what_chain_steps_compute(smollm2):
+@pytest.mark.parametrize("prompt_tokens", [None, 255])
+def test_a_tree_pass_computes_what_chain_steps_compute(smollm2, prompt_tokens):
     """Bit for bit, on every root-to-leaf path, in the C++ layer loop and the Python one: a tree node sees the
     prefix and its ancestors in the same blocks and order as a chain's query at its depth, so greedy tree
-    decoding is token-identical to normal decoding by construction, not by the luck of no near-ties."""
+    decoding is token-identical to normal decoding by construction, not by the luck of no near-ties. With a
+    prefix of 254 entries the tree's nodes straddle the attention's first chunk boundary (256 entries)."""
     smollm2.set_capture_layers([4])
     ids = torch.tensor(smollm2.encode("List three prime numbers and explain why they are prime."))
+    if prompt_tokens:
+        ids = ids.repeat(prompt_tokens // len(ids) + 1)[:prompt_tokens]
     parents = torch.tensor([-1, -1, 0, 2, 1, -1])  # drafts' parents (-1: the root): three branches, one of depth four
     tokens = torch.tensor([int(ids[-1]), 791, 1345, 28, 2051, 418, 28])
     paths = [[0, 1, 3, 4], [0, 2, 5], [0, 6]]
@@ -240,24 +244,31 @@ def test_only_tree_masks_take_the_cached_kernel():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cached_attention_matches_sdpa_and_each_query_alone(head_dim, dtype):
     """The C++ attention over a float32 or bfloat16 cache attends like SDPA over the (widened) entries, and each
-    query's result is bit for bit the same alone as among other rows and queries (verify = steps), though
-    queries that see the same keys share value loads in tiles of up to three. A bfloat16 cache is read in
+    query's result is bit for bit the same alone as among other rows and queries (verify = steps) and on one
+    thread or two, though queries that see the same keys share value loads in tiles of up to three and a long
+    slot is attended in chunks of 256 entries, joined afterwards (row 0 here spans three). A bfloat16 cache is read in
     another order than a float32 one, so it is close to, not equal to, the float32 kernel over the same values.
     Where the CPU multiplies bfloat16 natively, scores take the queries rounded to bfloat16 and value sums the
     softmax weights rounded to bfloat16 (pairs of products per instruction): within 5e-3 of the float32 result
     with rounded queries (a weight's rounding is 2^-9 of it; a wrong pairing of dimensions or keys is off by
     the values' own size, ~1)."""
     torch.manual_seed(0)
-    slots, kv_heads, capacity, group = 4, 3, 150, 3
+    slots, kv_heads, capacity, group = 4, 3, 600, 3
     keys = torch.randn(slots, kv_heads, capacity, head_dim).to(dtype)
     values = torch.randn(slots, kv_heads, capacity, head_dim).to(dtype)
     q = torch.randn(2, kv_heads, group * 5, head_dim)
     rows = torch.tensor([3, 1])
-    limits = torch.tensor([[140, 141, 142, 143, 144] * group, [7, 8, 9, 10, 11] * group])
-    limits[0, 5:8] = 144  # three queries seeing the same keys in every block: one tile
+    limits = torch.tensor([[540, 541, 542, 543, 544] * group, [7, 8, 9, 10, 11] * group])
+    limits[0, 5:8] = 544  # three queries seeing the same keys in every block: one tile
     scale = head_dim**-0.5
     attend = torch.ops.specdecode.cached_attention
     out = attend(q, keys, values, rows, limits, scale)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(attend(q, keys, values, rows, limits, scale), out)
+    finally:
+        torch.set_num_threads(threads)
     paired = dtype == torch.bfloat16 and head_dim % 32 == 0 and torch.ops.specdecode.bfloat16_panels()
     scored = q.to(torch.bfloat16).float() if paired else q
     close = attend(scored, keys.float(), values.float(), rows, limits, scale)

@@ -179,8 +179,9 @@ torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, in
     }
   for (const int64_t c : capture) captured.push_back(torch::empty({M, hidden}, options));
   // checked once: the layers' caches differ only by where they start
+  auto partials = torch::empty({0}, options);
   const AttentionWork layer0 = attention_work(q, p.keys.select(0, 0), p.values.select(0, 0), p.slots, p.limits,
-                                              p.scale, p.paths, p.path_starts, out);
+                                              p.scale, p.paths, p.path_starts, out, partials);
   float *x = p.x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *op = out.data_ptr<float>(), *ap = attended.data_ptr<float>();
   float *pp = projected.data_ptr<float>(), *gp = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
@@ -238,6 +239,9 @@ torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, in
       attention.values = values + layer * layer_stride;
       const auto [i0, i1] = share_of(attention.items, part, parts);
       attention.run(i0, i1);
+      barrier.wait();
+      const auto [j0, j1] = share_of(attention.R * attention.KV * attention.M, part, parts);
+      attention.merge(j0, j1);
       barrier.wait();
       for (int64_t m = m0; m < m1; ++m) ungroup_outputs_row(ap + m * H * D, op, row_of[m], position_of[m], H, p.Q, D);
       round(ap, rounded_heads);

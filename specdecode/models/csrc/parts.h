@@ -36,8 +36,15 @@ void q8_round_rows(const float* x, int64_t m0, int64_t m1, Q8Inputs& in);
 // way whichever part holds it.
 void q8_rows_groups(const Q8Inputs& in, const torch::Tensor& w, float* y, int64_t g0, int64_t g1);
 
+// Each query's softmax over each chunk of its entries before they are joined: the maximum score, the total of
+// exp(score - maximum) and the values weighted so (D each), query q's chunk c at q * chunks + c.
+struct Partials {
+  float *best, *total, *acc;
+};
+
 // One cached_attention call (csrc/cached_attention.cpp) with its checks done: items 0 .. items - 1, each a
-// (row, kv head, share of its queries), written to `out` by `run(begin, end)`.
+// (row, kv head, share of its queries, chunk of its entries), attended by `run(begin, end)` into `part`; then
+// `merge(begin, end)` joins the chunks of queries begin .. end - 1 (of R * KV * M) into `out`.
 struct AttentionWork {
   const float* q;
   const void* keys;
@@ -45,17 +52,21 @@ struct AttentionWork {
   bool bf16;
   const int64_t *slots, *limits, *paths, *starts;
   float* out;
+  Partials part;
   int64_t R, KV, M, D, slot_stride, head_stride, width;
   float scale;
-  int64_t shares, per_share, items;
+  int64_t chunks, shares, per_share, items;
   void run(int64_t begin, int64_t end) const;
+  void merge(int64_t begin, int64_t end) const;
 };
 
 // q (R, KV, M, D) float32 contiguous; keys, values a layer's cache; slots (R), limits (R, M), paths (R, M, width)
-// and starts (R) contiguous int64 (paths null for chains); out like q. Checks what cached_attention checks.
+// and starts (R) contiguous int64 (paths null for chains); out like q; `partials` (float32) resized to hold the
+// chunks' partial results. Checks what cached_attention checks.
 AttentionWork attention_work(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                              const torch::Tensor& slots, const torch::Tensor& limits, double scale,
-                             const torch::Tensor* paths, const torch::Tensor* starts, torch::Tensor& out);
+                             const torch::Tensor* paths, const torch::Tensor* starts, torch::Tensor& out,
+                             torch::Tensor& partials);
 
 // A barrier for a team of threads that meets hundreds of times a pass: a spinning counter costs ~0.25 us where
 // an OpenMP barrier costs ~0.6 us and a fork and join of the team ~2 us (2-core EPYC).
