@@ -164,9 +164,12 @@ ALWAYS_INLINE v8 lane_sums8(const v8* acc) {
 }
 
 // dot(q, k_i) for eight consecutive keys, bit for bit what `dot` gives each, with the eight lane trees done
-// as one transposition (a sequential lane sum per key cost more than the products).
-template <typename Entry>
+// as one transposition (a sequential lane sum per key cost more than the products). A head size known when
+// compiling (FixedD: 64 or 128) unrolls the loop over dimensions: the score part of attention at 24 queries
+// (Zen 3, AVX2) ~13% faster, 3 queries ~5-10%.
+template <int64_t FixedD = 0, typename Entry>
 inline v8 dots8(const float* q, const Entry* k, int64_t D) {
+  if constexpr (FixedD > 0) D = FixedD;
   v8 acc[8];
 #if defined(__AVX512F__)
   if (wide(D)) {
@@ -500,6 +503,16 @@ inline void ask_ahead(int64_t b, const char* ahead_k, const char* ahead_v, int64
   }
 }
 
+// dots8 unrolled for the head sizes of the registry's models (float queries; paired scores have their own).
+template <typename Query, typename Entry>
+inline v8 dots8_sized(const Query* q, const Entry* k, int64_t D) {
+  if constexpr (std::is_same<Query, float>::value) {
+    if (D == 64) return dots8<64>(q, k, D);
+    if (D == 128) return dots8<128>(q, k, D);
+  }
+  return dots8(q, k, D);
+}
+
 // One query's scores over one block of `visible` keys k (D entries each), turned into its softmax weights.
 template <typename Query, typename Entry>
 inline void score_block(const Query* qm, const Entry* k, int64_t visible, int64_t D, float scale, float& best,
@@ -508,7 +521,7 @@ inline void score_block(const Query* qm, const Entry* k, int64_t visible, int64_
   int64_t b = 0;
   for (; b + 8 <= visible; b += 8) {
     ask_ahead(b, ahead_k, ahead_v, ahead_lines);
-    store8(weights + b, dots8(qm, k + b * D, D) * splat(scale));
+    store8(weights + b, dots8_sized(qm, k + b * D, D) * splat(scale));
   }
   for (; b < visible; ++b) weights[b] = dot(qm, k + b * D, D) * scale;
   softmax_block(weights, visible, D, best, total, am);
