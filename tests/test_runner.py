@@ -246,7 +246,9 @@ def test_cached_attention_matches_sdpa_and_each_query_alone(head_dim, dtype):
     """The C++ attention over a float32 or bfloat16 cache attends like SDPA over the (widened) entries, and each
     query's result is bit for bit the same alone as among other rows and queries (verify = steps) and on one
     thread or two, though queries that see the same keys share value loads in tiles of up to three and a long
-    slot is attended in chunks of 256 entries, joined afterwards (row 0 here spans three). A bfloat16 cache is read in
+    slot is attended in chunks of 256 entries, joined in order (row 0 here spans three: alone, its three (row,
+    kv head) pairs are split in a work item per chunk; in the batch, six pairs on two threads, each item joins its
+    chunks as it goes; on one thread both ways join as they go). A bfloat16 cache is read in
     another order than a float32 one, so it is close to, not equal to, the float32 kernel over the same values.
     Where the CPU multiplies bfloat16 natively, scores take the queries rounded to bfloat16 and value sums the
     softmax weights rounded to bfloat16 (pairs of products per instruction): within 5e-3 of the float32 result

@@ -651,10 +651,10 @@ void attend_blocks(const Query* q, const Entry* k, const Entry* v, const int64_t
 
 // One chunk of one (row, kv head): M queries (M, D) over that slot's keys and values (D entries each, float or
 // bfloat16), each query's maximum, softmax total and weighted sum (dimensions in order, not yet divided by the
-// total) written to `part` (`Partials`: query m at m * chunks + chunk).
+// total) written to `part` (`Partials`: query m at m * stride).
 template <typename Entry>
-void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limits, Partials part, int64_t M,
-            int64_t D, float scale, Paths paths, int64_t chunk, int64_t chunks) {
+void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limits, Partials part, int64_t stride,
+            int64_t M, int64_t D, float scale, Paths paths, int64_t chunk) {
   std::vector<float> best(M, -INFINITY), total(M, 0.f), acc(M * D, 0.f);
   const bool split = std::is_same<Entry, uint16_t>::value && wide(D);  // value sums in the split order
   if (split) {
@@ -671,7 +671,7 @@ void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limit
     attend_blocks(q, k, v, limits, M, D, scale, paths, chunk, best.data(), total.data(), acc.data());
   }
   for (int64_t m = 0; m < M; ++m) {
-    const int64_t at = m * chunks + chunk;
+    const int64_t at = m * stride;
     part.best[at] = best[m];
     part.total[at] = total[m];
     for (int64_t d = 0; d < D; ++d)
@@ -679,12 +679,43 @@ void attend(const float* q, const Entry* k, const Entry* v, const int64_t* limit
   }
 }
 
-// Items begin .. end - 1 of one call, over a cache of `Entry`s: item i is chunk i % chunks of (row, kv head)
-// i / chunks / shares for share i / chunks % shares of that pair's queries. Paths (R, M, width) or null.
+// A query's chunks are joined in order: a later chunk's maximum b, total t and sums acc join the running ones
+// (best, total, y; total 0: none yet) at the larger of the two maxima, the other side rescaled, as a block's are
+// within a chunk. A chunk the query does not reach (t = 0) is passed over.
+inline void join_chunk(float& best, float& total, float* y, float b, float t, const float* acc, int64_t D) {
+  if (t == 0.f) return;
+  if (total == 0.f) {
+    best = b;
+    total = t;
+    std::copy(acc, acc + D, y);
+    return;
+  }
+  const float top = std::max(best, b);
+  const float old = std::exp(best - top), add = std::exp(b - top);
+  total = total * old + t * add;
+  for (int64_t d = 0; d < D; ++d) y[d] = y[d] * old + acc[d] * add;
+  best = top;
+}
+
+// The joined sums divided by the total (a query that sees no entry: zeros). One chunk: its sums divided by its
+// total, bit for bit what attending in one piece gave.
+inline void finish_query(float* y, float total, int64_t D) {
+  if (total == 0.f) {
+    std::fill(y, y + D, 0.f);
+    return;
+  }
+  const float inv = 1.f / total;
+  for (int64_t d = 0; d < D; ++d) y[d] *= inv;
+}
+
+// Items begin .. end - 1 of one call, over a cache of `Entry`s. Split: item i is chunk i % chunks of (row, kv
+// head) i / chunks / shares for share i / chunks % shares of that pair's queries, into `part`. Else item i is
+// (row, kv head) i / shares for share i % shares, its chunks attended one after another and joined as they come
+// (the same arithmetic, no buffer of every chunk). Paths (R, M, width) or null.
 template <typename Entry>
 void attend_items(const AttentionWork& w, const Entry* kp, const Entry* vp, int64_t begin, int64_t end) {
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t chunk = item % w.chunks, unit = item / w.chunks;
+    const int64_t chunk = w.split ? item % w.chunks : 0, unit = w.split ? item / w.chunks : item;
     const int64_t pair = unit / w.shares, m0 = unit % w.shares * w.per_share;
     const int64_t count = std::min(w.per_share, w.M - m0);
     if (count <= 0) continue;
@@ -693,10 +724,23 @@ void attend_items(const AttentionWork& w, const Entry* kp, const Entry* vp, int6
     const int64_t first = pair * w.M + m0;
     Paths row_paths;
     if (w.paths) row_paths = {w.paths + (r * w.M + m0) * w.width, w.width, w.starts[r]};
-    const Partials part{w.part.best + first * w.chunks, w.part.total + first * w.chunks,
-                        w.part.acc + first * w.chunks * w.D};
-    attend(w.q + first * w.D, kp + base, vp + base, w.limits + r * w.M + m0, part, count, w.D, w.scale, row_paths,
-           chunk, w.chunks);
+    const float* q = w.q + first * w.D;
+    const int64_t* limits = w.limits + r * w.M + m0;
+    if (w.split) {
+      const int64_t at = first * w.chunks + chunk;
+      const Partials part{w.part.best + at, w.part.total + at, w.part.acc + at * w.D};
+      attend(q, kp + base, vp + base, limits, part, w.chunks, count, w.D, w.scale, row_paths, chunk);
+      continue;
+    }
+    std::vector<float> b(count), t(count), acc(count * w.D), best(count, -INFINITY), total(count, 0.f);
+    float* y = w.out + first * w.D;
+    for (int64_t c = 0; c < w.chunks; ++c) {
+      attend(q, kp + base, vp + base, limits, Partials{b.data(), t.data(), acc.data()}, 1, count, w.D, w.scale,
+             row_paths, c);
+      for (int64_t m = 0; m < count; ++m)
+        join_chunk(best[m], total[m], y + m * w.D, b[m], t[m], acc.data() + m * w.D, w.D);
+    }
+    for (int64_t m = 0; m < count; ++m) finish_query(y + m * w.D, total[m], w.D);
   }
 }
 
@@ -709,36 +753,16 @@ void AttentionWork::run(int64_t begin, int64_t end) const {
     attend_items(*this, static_cast<const float*>(keys), static_cast<const float*>(values), begin, end);
 }
 
-// A query's chunks, in order: each later chunk's sums and total join the running ones at the larger of the two
-// maxima (the other side rescaled, as a block's are within a chunk), then the sums are divided by the total. A
-// query's result depends on its own entries only, never on how its pass split the work. One chunk: the sums
-// divided by its total, bit for bit what attending in one piece gives.
+// Split work: the chunks of queries begin .. end - 1 joined in order (`join_chunk`) into `out`. A query's result
+// depends on its own entries only, never on how its pass split the work.
 void AttentionWork::merge(int64_t begin, int64_t end) const {
+  if (!split) return;  // the items joined their chunks as they went
   for (int64_t query = begin; query < end; ++query) {
-    const float* acc = part.acc + query * chunks * D;
     float* y = out + query * D;
     float best = -INFINITY, total = 0.f;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t at = query * chunks + c;
-      if (part.total[at] == 0.f) continue;  // no entry of this chunk is visible to the query
-      if (total == 0.f) {
-        best = part.best[at];
-        total = part.total[at];
-        std::copy(acc + c * D, acc + (c + 1) * D, y);
-        continue;
-      }
-      const float top = std::max(best, part.best[at]);
-      const float old = std::exp(best - top), add = std::exp(part.best[at] - top);
-      total = total * old + part.total[at] * add;
-      for (int64_t d = 0; d < D; ++d) y[d] = y[d] * old + acc[c * D + d] * add;
-      best = top;
-    }
-    if (total == 0.f) {  // a query that sees no entry
-      std::fill(y, y + D, 0.f);
-      continue;
-    }
-    const float inv = 1.f / total;
-    for (int64_t d = 0; d < D; ++d) y[d] *= inv;
+    for (int64_t at = query * chunks; at < (query + 1) * chunks; ++at)
+      join_chunk(best, total, y, part.best[at], part.total[at], part.acc + at * D, D);
+    finish_query(y, total, D);
   }
 }
 
@@ -780,14 +804,19 @@ AttentionWork attention_work(const torch::Tensor& q, const torch::Tensor& keys, 
                 "a path entry lies outside the cache");
     TORCH_CHECK((limits - starts->view({R, 1})).max().item<int64_t>() <= width, "a query's path is too short");
   }
-  // Work items are (row, kv head, a share of its queries, a chunk of its entries): each item reads its entries
-  // once for all its queries, and one request's few (row, head) pairs keep every thread busy once its context
-  // spans chunks (one request at 1,024 cached tokens: 3 pairs, two shares of its queries each reading the
-  // whole slot -> 12 chunks). Shares only where chunks are too few: each query is computed on its own anyway.
+  // Work items are (row, kv head, a share of its queries), each attending its chunks in order; where the pairs are
+  // too few for the threads (one request: 3), each chunk of a pair is its own item (split), its partial results
+  // kept for `merge`: each item reads its entries once for all its queries (one request at 1,024 cached tokens:
+  // 12 items, where two shares of each pair's queries each read the whole slot). Shares only where items are
+  // still too few: each query is computed on its own anyway. Split only while the partials stay small (a long
+  // prompt's prefill has thousands of queries a pair, and its shares keep the threads busy).
   const int64_t chunks = std::max<int64_t>(1, (longest + kChunk - 1) / kChunk);
-  const int64_t units = R * KV * chunks, threads = at::get_num_threads();
+  const int64_t pairs = R * KV, threads = at::get_num_threads();
+  const int64_t partial_floats = pairs * M * chunks * (D + 2);
+  const bool split = chunks > 1 && pairs < 2 * threads && partial_floats <= (int64_t{1} << 20);
+  const int64_t units = split ? pairs * chunks : pairs;
   const int64_t shares = std::min(M, units >= 2 * threads ? int64_t{1} : (2 * threads + units - 1) / units);
-  partials.resize_({R * KV * M * chunks * (D + 2)});
+  partials.resize_({split ? partial_floats : 0});
   float* part = partials.data_ptr<float>();
   const bool bf16 = keys.scalar_type() == torch::kBFloat16;
   return AttentionWork{q.data_ptr<float>(),
@@ -799,7 +828,7 @@ AttentionWork attention_work(const torch::Tensor& q, const torch::Tensor& keys, 
                        width ? paths->data_ptr<int64_t>() : nullptr,
                        paths ? starts->data_ptr<int64_t>() : nullptr,
                        out.data_ptr<float>(),
-                       Partials{part, part + R * KV * M * chunks, part + 2 * R * KV * M * chunks},
+                       Partials{part, part + pairs * M * chunks, part + 2 * pairs * M * chunks},
                        R,
                        KV,
                        M,
@@ -809,9 +838,10 @@ AttentionWork attention_work(const torch::Tensor& q, const torch::Tensor& keys, 
                        width,
                        static_cast<float>(scale),
                        chunks,
+                       split,
                        shares,
                        (M + shares - 1) / shares,
-                       R * KV * shares * chunks};
+                       units * shares};
 }
 
 // q (R, KV, M, D) float32: the M queries of row r that share kv head h (grouped heads times positions);

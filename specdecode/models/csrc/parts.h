@@ -43,8 +43,9 @@ struct Partials {
 };
 
 // One cached_attention call (csrc/cached_attention.cpp) with its checks done: items 0 .. items - 1, each a
-// (row, kv head, share of its queries, chunk of its entries), attended by `run(begin, end)` into `part`; then
-// `merge(begin, end)` joins the chunks of queries begin .. end - 1 (of R * KV * M) into `out`.
+// (row, kv head, share of its queries), attended by `run(begin, end)` into `out`; or, `split`, each a chunk of
+// such a share's entries, into `part`, and then `merge(begin, end)` joins the chunks of queries begin .. end - 1
+// (of R * KV * M) into `out`.
 struct AttentionWork {
   const float* q;
   const void* keys;
@@ -55,7 +56,9 @@ struct AttentionWork {
   Partials part;
   int64_t R, KV, M, D, slot_stride, head_stride, width;
   float scale;
-  int64_t chunks, shares, per_share, items;
+  int64_t chunks;
+  bool split;
+  int64_t shares, per_share, items;
   void run(int64_t begin, int64_t end) const;
   void merge(int64_t begin, int64_t end) const;
 };
