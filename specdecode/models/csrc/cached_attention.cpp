@@ -9,10 +9,11 @@
 // tree, the cached prefix and then the entries of its ancestors and itself (`paths`). Other masks stay on SDPA.
 // Every query is computed on its own, in the same order whatever the other queries and rows are, so a
 // row's result never depends on its batch: a verify pass over k + 1 positions attends bit for bit like
-// k + 1 one-token steps. A slot is attended in chunks of 256 entries, each its own work item, and a query's
-// chunks are joined afterwards in order: one request's three (row, kv head) pairs then keep both threads of a
-// 2-core machine busy, each reading its entries once (they split the pair's queries instead, and each share
-// read the whole slot: attention over 1,024 cached tokens 3.7 -> 2.4 ms, 30 layers, Zen 3 EPYC).
+// k + 1 one-token steps. A slot is attended in chunks of 256 entries, and a query's chunks are joined in order;
+// where a call's (row, kv head) pairs are too few for the threads, each chunk is its own work item: one request's
+// three pairs then keep both threads of a 2-core machine busy, each reading its entries once (they split the
+// pair's queries instead, and each share read the whole slot: attention over 1,024 cached tokens 3.7 -> 2.4 ms,
+// 30 layers, Zen 3 EPYC).
 // The cache holds float32 or bfloat16 entries (half the bytes a step streams); a bfloat16 entry is widened
 // exactly (a 16-bit shift) as it is loaded, and every product and sum runs in float32 as before. Where the
 // CPU has native bfloat16 dot products (AVX512-BF16), attention over a bfloat16 cache multiplies in pairs: the
@@ -756,7 +757,6 @@ void AttentionWork::run(int64_t begin, int64_t end) const {
 // Split work: the chunks of queries begin .. end - 1 joined in order (`join_chunk`) into `out`. A query's result
 // depends on its own entries only, never on how its pass split the work.
 void AttentionWork::merge(int64_t begin, int64_t end) const {
-  if (!split) return;  // the items joined their chunks as they went
   for (int64_t query = begin; query < end; ++query) {
     float* y = out + query * D;
     float best = -INFINITY, total = 0.f;
@@ -866,7 +866,8 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
   const auto work = attention_work(q, keys, values, slots, limits, scale, paths ? &path_entries : nullptr,
                                    paths ? &path_starts : nullptr, out, partials);
   at::parallel_for(0, work.items, 1, [&](int64_t begin, int64_t end) { work.run(begin, end); });
-  at::parallel_for(0, work.R * work.KV * work.M, 64, [&](int64_t begin, int64_t end) { work.merge(begin, end); });
+  if (work.split)
+    at::parallel_for(0, work.R * work.KV * work.M, 64, [&](int64_t begin, int64_t end) { work.merge(begin, end); });
   return out;
 }
 

@@ -240,9 +240,11 @@ torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, in
       const auto [i0, i1] = share_of(attention.items, part, parts);
       attention.run(i0, i1);
       barrier.wait();
-      const auto [j0, j1] = share_of(attention.R * attention.KV * attention.M, part, parts);
-      attention.merge(j0, j1);
-      barrier.wait();
+      if (attention.split) {
+        const auto [j0, j1] = share_of(attention.R * attention.KV * attention.M, part, parts);
+        attention.merge(j0, j1);
+        barrier.wait();
+      }
       for (int64_t m = m0; m < m1; ++m) ungroup_outputs_row(ap + m * H * D, op, row_of[m], position_of[m], H, p.Q, D);
       round(ap, rounded_heads);
       product(rounded_heads, w[2], pp);
