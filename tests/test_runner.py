@@ -8,6 +8,7 @@ on logits of magnitude ~30 (measured: 1e-4). 2e-3 absolute leaves room for other
 any real mistake (a wrong position, mask or cache entry) moves logits by whole units.
 """
 
+import contextlib
 import json
 import math
 
@@ -54,6 +55,17 @@ def both(smollm2, hf_reference):
         target.set_capture_layers(LAYERS)
         target.reset()
     return smollm2, hf_reference
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's (and the C++ kernels') thread count set to `count` inside, given back after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def assert_same(a, b) -> None:
@@ -265,12 +277,8 @@ def test_cached_attention_matches_sdpa_and_each_query_alone(head_dim, dtype):
     scale = head_dim**-0.5
     attend = torch.ops.specdecode.cached_attention
     out = attend(q, keys, values, rows, limits, scale)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         assert torch.equal(attend(q, keys, values, rows, limits, scale), out)
-    finally:
-        torch.set_num_threads(threads)
     paired = dtype == torch.bfloat16 and head_dim % 32 == 0 and torch.ops.specdecode.bfloat16_panels()
     scored = q.to(torch.bfloat16).float() if paired else q
     close = attend(scored, keys.float(), values.float(), rows, limits, scale)
@@ -386,15 +394,11 @@ def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_product(kind
     assert packed.shape == (38, 6, group_bytes) and interleave(blocks[:300], 192) is None
     x = torch.randn(40, 192, generator=generator)
     x[3, 32:64] = 0.0  # a block of zeros: scale 0, no division by it
-    threads = torch.get_num_threads()
-    try:
-        for count in sorted({1, 2, threads}):
-            torch.set_num_threads(count)
+    for count in sorted({1, 2, torch.get_num_threads()}):
+        with torch_threads(count):
             alone = torch.cat([torch.ops.specdecode.few_rows_linear(x[r : r + 1], packed) for r in range(len(x))])
             for m in (2, 3, 4, 5, 7, 8, 9, 16, 40):
                 assert torch.equal(torch.ops.specdecode.few_rows_linear(x[:m], packed), alone[:m]), (count, m)
-    finally:
-        torch.set_num_threads(threads)
     torch.testing.assert_close(alone.double(), eight_bit_reference(x, blocks), atol=1e-5, rtol=1e-5)
     exact = x @ dequantize(blocks, 192).T
     assert (alone - exact).abs().max() < 0.02 * exact.abs().max()  # inputs rounded to ~0.4% of a block's largest
@@ -507,15 +511,11 @@ def test_bfloat16_panels_are_exact_per_row_and_compute_the_rounded_product():
     assert panels_fit(weight) and not panels_fit(weight[:100]) and not panels_fit(weight.float())
     panels = pack_panels(weight)
     x = torch.randn(40, 202, generator=generator)
-    threads = torch.get_num_threads()
-    try:
-        for count in sorted({1, 2, threads}):
-            torch.set_num_threads(count)
+    for count in sorted({1, 2, torch.get_num_threads()}):
+        with torch_threads(count):
             alone = torch.cat([torch.ops.specdecode.few_rows_linear(x[r : r + 1], panels) for r in range(len(x))])
             for m in (2, 3, 5, 6, 7, 8, 9, 12, 13, 16, 40):
                 assert torch.equal(torch.ops.specdecode.few_rows_linear(x[:m], panels), alone[:m]), (count, m)
-    finally:
-        torch.set_num_threads(threads)
     torch.testing.assert_close(alone, x.bfloat16().float() @ weight.float().T, atol=1e-4, rtol=1e-5)
     assert Linear(weight).kernel_weight.shape == (7, 101, 128)
 

@@ -735,7 +735,9 @@ void attend_items(const AttentionWork& w, const Entry* kp, const Entry* vp, int6
     }
     std::vector<float> b(count), t(count), acc(count * w.D), best(count, -INFINITY), total(count, 0.f);
     float* y = w.out + first * w.D;
-    for (int64_t c = 0; c < w.chunks; ++c) {
+    // the chunks these queries reach (a short row of a batch beside a long one reaches fewer than the call's)
+    const int64_t reach = (*std::max_element(limits, limits + count) + kChunk - 1) / kChunk;
+    for (int64_t c = 0; c < reach; ++c) {
       attend(q, kp + base, vp + base, limits, Partials{b.data(), t.data(), acc.data()}, 1, count, w.D, w.scale,
              row_paths, c);
       for (int64_t m = 0; m < count; ++m)
