@@ -20,7 +20,7 @@ from specdecode.drafters import Drafter, build_drafter
 from specdecode.engine.batch import BatchedTarget
 from specdecode.engine.decode import SpeculativeDecoder, tree_attention
 from specdecode.models import linear as linear_module
-from specdecode.models.gguf_rows import dequantize, interleave, quantize_q8_0
+from specdecode.models.gguf_rows import dequantize, interleave, quantize_q4_1, quantize_q8_0
 from specdecode.models.linear import (
     FEW_ROWS_MAX,
     ROW_BUCKETS,
@@ -422,9 +422,33 @@ def test_a_drafter_s_weights_round_to_q8_0_rows_that_every_kernel_reads_alike():
     assert torch.all((rounded - weight).abs().view(24, 3, 32) <= scales / 2 * (1 + 1e-3) + 1e-12)
     assert torch.equal(dequantize(quantize_q8_0(rounded), 96), rounded) and not rounded[3, 32:64].any()
     module = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 12, bias=False))
-    freeze_linears(module, "test-q8-drafter", kernel="stock", eight_bit_inputs=True)
+    freeze_linears(module, "test-q8-drafter", kernel="stock", eight_bit_inputs=True, rows="Q8_0")
     rows, odd = (m.linear for m in module if isinstance(m, FrozenLinear))
+    assert rows.blocks.shape == (32, 2 * 34)
     assert torch.equal(dequantize(rows.blocks, 64), rows.weight) and odd.blocks is None  # 12 rows: not whole groups
+
+
+def test_a_drafter_s_weights_round_to_q4_1_rows_by_default():
+    """`quantize_q4_1` puts each weight on its block's grid m + d q (m the block's minimum, d its range / 15, both
+    float16; q in 0 .. 15): within half a step of where it was, the block's extremes on the grid's ends, an
+    all-zero block all zero; a drafter frozen for 8-bit inputs keeps Q4_1 rows unless told Q8_0 (the kernel reads
+    them as a GGUF's: `test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_product`)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 96, generator=g) * 0.1
+    weight[3, 32:64] = 0
+    blocks = quantize_q4_1(weight)
+    assert blocks.shape == (24, 3 * 20) and blocks.dtype == torch.uint8
+    halves = blocks.view(24, 3, 20)[..., :4].contiguous().view(torch.float16).float()
+    d, m = halves[..., 0:1], halves[..., 1:2]
+    rounded = dequantize(blocks, 96).view(24, 3, 32)
+    error = (rounded - weight.view(24, 3, 32)).abs()
+    assert torch.all(error <= d / 2 * 1.01 + m.abs() * 2e-3 + 1e-9)
+    assert torch.allclose(rounded.amin(-1), weight.view(24, 3, 32).amin(-1), atol=1e-3)
+    assert not rounded[3, 1].any()
+    module = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    freeze_linears(module, "test-q4-drafter", kernel="stock", eight_bit_inputs=True)
+    (rows,) = (m.linear for m in module if isinstance(m, FrozenLinear))
+    assert rows.blocks.shape == (32, 2 * 20) and torch.equal(dequantize(rows.blocks, 64), rows.weight)
 
 
 @needs_q8_rows

@@ -1,11 +1,13 @@
-"""The shipped DSpark drafter on its float32 weights and inputs against its weights rounded to Q8_0 rows and its
-inputs to 8 bits (what `frozen` gives it where the target's plan took 8-bit inputs), on the five-benchmark mix:
+"""The shipped DSpark drafter on its float32 weights and inputs against its weights rounded to Q8_0 or Q4_1 rows and
+its inputs to 8 bits (what `frozen` gives it where the target's plan took 8-bit inputs: Q8_0 until stop 60, then
+Q4_1), on the five-benchmark mix:
 the drafter alone at a fixed draft length (its acceptance: does the rounding cost drafts?) and inside the
 default hybrid with the prefix scheduler (each variant priced by its own measured round), every decode against
 normal decoding of the same prompt just before, the variants interleaved prompt by prompt. Every greedy output
 is checked against normal decoding.
 
     python tools/drafter_rounding_ab.py --limit 4 --out docs/results --name drafter_rounding_ab
+    python tools/drafter_rounding_ab.py --roundings Q8_0 Q4_1 --name drafter_q4_1_ab
 """
 
 from mix_cells import decode_mix, mix_parser, report
@@ -18,21 +20,29 @@ from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
 
-ROUNDINGS = {"float32 weights and inputs": False, "Q8_0 rows, 8-bit inputs": True}
+ROUNDINGS = {
+    "float32": "float32 weights and inputs",
+    "Q8_0": "Q8_0 rows, 8-bit inputs",
+    "Q4_1": "Q4_1 rows, 8-bit inputs",
+}
 
 
 def main() -> None:
     parser = mix_parser(__doc__, "drafter_rounding_ab")
     parser.add_argument("--draft-length", type=int, default=7)
+    parser.add_argument("--roundings", nargs="+", choices=list(ROUNDINGS), default=["float32", "Q8_0"])
     args = parser.parse_args()
     target = Target.load()
     if not target.eight_bit_inputs:
         raise SystemExit("the target's plan runs no linear on 8-bit inputs on this machine: nothing to compare")
     path = shipped_drafter(target.name)
     decoders, round_ms = {}, {}
-    for rounding, eight_bit in ROUNDINGS.items():
+    for rows in args.roundings:
+        rounding, eight_bit = ROUNDINGS[rows], rows != "float32"
         kind, model = load_model(path, target)
-        drafter = BlockDrafter(frozen(model, kind, target, eight_bit_inputs=eight_bit))
+        drafter = BlockDrafter(
+            frozen(model, kind, target, eight_bit_inputs=eight_bit, rows="Q8_0" if rows == "float32" else rows)
+        )
         costs = round_costs(target, drafter)
         round_ms[rounding] = round(costs.drafting * 1000, 3)
         decoders[(rounding, "dspark alone")] = SpeculativeDecoder(target, drafter, args.draft_length)

@@ -155,7 +155,7 @@ class Drafter:
 
 def cost_digest(drafter: Drafter) -> str:
     """What a drafter's cost depends on: its kind and configuration, those of the drafter it wraps, the
-    kernels of its network's linears (and whether they read Q8_0 rows), and the drafters' code (every module of
+    kernels of its network's linears (and the bytes of the GGUF rows they read), and the drafters' code (every module of
     the package: a faster drafting path, wherever it lives, must be measured again, or the drafting gate keeps
     deciding on the old cost)."""
     parts = []
@@ -165,7 +165,8 @@ def cost_digest(drafter: Drafter) -> str:
         drafter = getattr(drafter, "model", None)
     if isinstance(drafter, torch.nn.Module):
         linears = [m.linear for m in drafter.modules() if isinstance(m, FrozenLinear)]
-        parts.append(sorted({(k, lin.blocks is not None) for lin in linears for k in lin.plan.values()}))
+        rows = [0 if lin.blocks is None else lin.blocks.shape[1] * 32 // lin.weight.shape[1] for lin in linears]
+        parts.append(sorted({(k, r) for lin, r in zip(linears, rows, strict=True) for k in lin.plan.values()}))
     code = [source.read_text() for source in sorted(Path(__file__).parent.glob("*.py"))]
     return stable_digest([parts, code])
 

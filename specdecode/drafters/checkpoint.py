@@ -98,14 +98,16 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     load_state(model, read_weights(path), path)
 
 
-def frozen(model: torch.nn.Module, kind: str, target: Target, eight_bit_inputs: bool | None = None) -> torch.nn.Module:
+def frozen(
+    model: torch.nn.Module, kind: str, target: Target, eight_bit_inputs: bool | None = None, rows: str = "Q4_1"
+) -> torch.nn.Module:
     """A loaded drafter is inference-only: its linears take the target's weight dtype (bfloat16 where the
-    machine chose it: half the bytes a round), Q8_0 rows and 8-bit inputs where the target's plan took 8-bit
-    inputs (unless `eight_bit_inputs` says otherwise), and the kernels measured on this machine."""
+    machine chose it: half the bytes a round), GGUF `rows` (`freeze_linears`) and 8-bit inputs where the target's
+    plan took 8-bit inputs (unless `eight_bit_inputs` says otherwise), and the kernels measured on this machine."""
     model = model.to(target.device).eval()
     if eight_bit_inputs is None:
         eight_bit_inputs = target.eight_bit_inputs
-    freeze_linears(model, f"{kind}-drafter", dtype=target.dtype, eight_bit_inputs=eight_bit_inputs)
+    freeze_linears(model, f"{kind}-drafter", dtype=target.dtype, eight_bit_inputs=eight_bit_inputs, rows=rows)
     if target.device.type == "cpu":
         freeze_norms(model)
     return model

@@ -63,6 +63,22 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(rows, -1)
 
 
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """Float rows (N, K) -> Q4_1 rows (N, K / 32 * 20) uint8, llama.cpp's Q4_1: per 32 weights m = min w and
+    d = (max w - m) / 15, both float16, and q = round((w - m) / d) in 0 .. 15 against the stored m and d; weight
+    t < 16 in the low nibble of byte t, else in the high nibble of byte t - 16. For a drafter's weights: on the
+    8-bit-input kernel a Q4_1 block takes three instructions per 32 products where Q8_0 takes five."""
+    rows, inputs = weight.shape
+    blocks = weight.detach().float().reshape(rows, inputs // 32, 32)
+    low = blocks.amin(-1, keepdim=True).half()
+    d = ((blocks.amax(-1, keepdim=True) - low.float()) / 15).half()
+    scale = d.float()
+    q = torch.where(scale > 0, (blocks - low.float()) / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    q = q.round().clamp(0, 15).to(torch.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    return torch.cat([d.view(torch.uint8), low.view(torch.uint8), nibbles], dim=-1).reshape(rows, -1)
+
+
 def interleave(blocks: torch.Tensor, inputs: int) -> torch.Tensor | None:
     """Q4_1 rows (N, inputs / 32 * 20) or Q8_0 rows (N, inputs / 32 * 34) -> the 8-bit-input kernel's groups of
     eight rows (N / 8, inputs / 32, 160 or 272) uint8, or None where N is not a multiple of 8. Per group and block,
