@@ -38,11 +38,9 @@ def main() -> None:
     path = shipped_drafter(target.name)
     decoders, round_ms = {}, {}
     for rows in args.roundings:
-        rounding, eight_bit = ROUNDINGS[rows], rows != "float32"
+        rounding, kwargs = ROUNDINGS[rows], {"eight_bit_inputs": False} if rows == "float32" else {"rows": rows}
         kind, model = load_model(path, target)
-        drafter = BlockDrafter(
-            frozen(model, kind, target, eight_bit_inputs=eight_bit, rows="Q8_0" if rows == "float32" else rows)
-        )
+        drafter = BlockDrafter(frozen(model, kind, target, **kwargs))
         costs = round_costs(target, drafter)
         round_ms[rounding] = round(costs.drafting * 1000, 3)
         decoders[(rounding, "dspark alone")] = SpeculativeDecoder(target, drafter, args.draft_length)

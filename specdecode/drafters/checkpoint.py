@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from specdecode.drafters.layers import freeze_norms
 from specdecode.errors import SpecDecodeError
-from specdecode.models.linear import freeze_linears
+from specdecode.models.linear import DRAFTER_ROWS, freeze_linears
 from specdecode.models.target import Target, first_line
 
 FORMAT_VERSION = 1
@@ -99,7 +99,7 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
 
 
 def frozen(
-    model: torch.nn.Module, kind: str, target: Target, eight_bit_inputs: bool | None = None, rows: str = "Q4_1"
+    model: torch.nn.Module, kind: str, target: Target, eight_bit_inputs: bool | None = None, rows: str = DRAFTER_ROWS
 ) -> torch.nn.Module:
     """A loaded drafter is inference-only: its linears take the target's weight dtype (bfloat16 where the
     machine chose it: half the bytes a round), GGUF `rows` (`freeze_linears`) and 8-bit inputs where the target's

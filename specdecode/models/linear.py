@@ -267,6 +267,7 @@ class FrozenLinear(nn.Module):
 
 
 ROUNDINGS = {"Q4_1": quantize_q4_1, "Q8_0": quantize_q8_0}  # float rows -> GGUF rows, for `freeze_linears`
+DRAFTER_ROWS = "Q4_1"  # what a drafter's weights round to where the target runs on 8-bit inputs
 
 
 def freeze_linears(
@@ -275,7 +276,7 @@ def freeze_linears(
     kernel: str = "auto",
     dtype: torch.dtype | None = None,
     eight_bit_inputs: bool = False,
-    rows: str = "Q4_1",
+    rows: str = DRAFTER_ROWS,
 ) -> None:
     """Swap every `nn.Linear` of an inference-only module (a drafter loaded from disk) for a `FrozenLinear`
     over the same weight (cast to `dtype` when given: the target's, so a drafter streams bfloat16 where the
