@@ -20,7 +20,7 @@ from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
 
-ROUNDINGS = {
+VARIANTS = {  # --roundings choice -> the label its rows carry in the table
     "float32": "float32 weights and inputs",
     "Q8_0": "Q8_0 rows, 8-bit inputs",
     "Q4_1": "Q4_1 rows, 8-bit inputs",
@@ -30,7 +30,7 @@ ROUNDINGS = {
 def main() -> None:
     parser = mix_parser(__doc__, "drafter_rounding_ab")
     parser.add_argument("--draft-length", type=int, default=7)
-    parser.add_argument("--roundings", nargs="+", choices=list(ROUNDINGS), default=["float32", "Q8_0"])
+    parser.add_argument("--roundings", nargs="+", choices=list(VARIANTS), default=["float32", "Q8_0"])
     args = parser.parse_args()
     target = Target.load()
     if not target.eight_bit_inputs:
@@ -38,7 +38,7 @@ def main() -> None:
     path = shipped_drafter(target.name)
     decoders, round_ms = {}, {}
     for rows in args.roundings:
-        rounding, kwargs = ROUNDINGS[rows], {"eight_bit_inputs": False} if rows == "float32" else {"rows": rows}
+        rounding, kwargs = VARIANTS[rows], {"eight_bit_inputs": False} if rows == "float32" else {"rows": rows}
         kind, model = load_model(path, target)
         drafter = BlockDrafter(frozen(model, kind, target, **kwargs))
         costs = round_costs(target, drafter)
