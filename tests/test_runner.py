@@ -20,10 +20,13 @@ from specdecode.drafters import Drafter, build_drafter
 from specdecode.engine.batch import BatchedTarget
 from specdecode.engine.decode import SpeculativeDecoder, tree_attention
 from specdecode.models import linear as linear_module
-from specdecode.models.gguf_rows import dequantize, interleave, quantize_q4_1, quantize_q8_0
+from specdecode.models.gguf_rows import SOURCE_MARKER, dequantize, holds_rows, interleave, quantize_q4_1, quantize_q8_0
 from specdecode.models.linear import (
+    BFLOAT16,
     FEW_ROWS_MAX,
+    FLOAT32,
     ROW_BUCKETS,
+    ROWS_8_BIT,
     FrozenLinear,
     Linear,
     cpu_kernels_available,
@@ -36,7 +39,7 @@ from specdecode.models.linear import (
 )
 from specdecode.models.llama import Rows, unsupported_reason
 from specdecode.models.registry import converted_dir
-from specdecode.models.target import Target
+from specdecode.models.target import Target, default_dtype
 from specdecode.sampling import SamplingParams
 from tests.conftest import needs_q8_rows, tiny_llama, tiny_tokenizer
 
@@ -405,6 +408,25 @@ def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_product(kind
     assert (alone - exact).abs().max() > 1e-5  # and rounded: not the float32 product
     with pytest.raises(RuntimeError, match="interleaved Q4_1 or Q8_0 groups"):
         torch.ops.specdecode.few_rows_linear(x[:, :160], packed)
+
+
+def test_a_target_shipped_as_gguf_rows_runs_on_them_where_measured_faster_than_bfloat16(smollm2, monkeypatch, tmp_path):
+    """On a CPU the default weights are float32 over the GGUF's own Q4_1 / Q8_0 rows (the 8-bit-input kernel a
+    candidate) where the target ships as such rows and they streamed faster than bfloat16 weights (Zen 4: 5.3 ms
+    against 10.6); otherwise bfloat16 where it is native and faster than float32. The converted folder's marker
+    keeps whether the GGUF holds such rows."""
+    source = converted_dir("smollm2-135m")
+    assert holds_rows(source) and json.loads((source / SOURCE_MARKER).read_text())["holds_rows"] is True
+    assert not holds_rows(tmp_path) and not holds_rows(None)
+    ms = {FLOAT32: 30.0, BFLOAT16: 10.0, ROWS_8_BIT: 5.0}
+    monkeypatch.setattr(linear_module, "weight_format_ms", lambda: ms)
+    assert default_dtype("cpu", str(source)) == torch.float32
+    assert default_dtype("cpu", str(tmp_path)) == torch.bfloat16
+    ms[ROWS_8_BIT] = 12.0
+    assert default_dtype("cpu", str(source)) == torch.bfloat16
+    monkeypatch.setattr(linear_module, "weight_format_ms", dict)  # bfloat16 emulated: nothing timed
+    assert default_dtype("cpu", str(source)) == default_dtype("cpu", str(tmp_path)) == torch.float32
+    assert default_dtype("cuda", str(source)) == torch.bfloat16
 
 
 def test_a_drafter_s_weights_round_to_q8_0_rows_that_every_kernel_reads_alike():

@@ -127,6 +127,38 @@ def _in_weight_order(blocks: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return None if None in order else blocks[order].contiguous()
 
 
+def holds_rows(source: str | Path | None) -> bool:
+    """Whether the GGUF behind the converted folder `source` stores every decoder linear as Q4_1 or Q8_0 rows
+    (the few-rows kernels can then stream those rows instead of float32 weights). The answer is kept in the
+    folder's source marker: reading the file's tensor list takes ~2.6 s (its vocabulary is parsed too)."""
+    folder = Path(source) if source else None
+    marker = folder / SOURCE_MARKER if folder else None
+    if marker is None or not marker.exists():
+        return False
+    try:
+        facts = json.loads(marker.read_text())
+    except ValueError:  # a broken marker: the folder's load says what is wrong
+        return False
+    if "holds_rows" in facts:
+        return facts["holds_rows"]
+    gguf_path = Path(facts.get("gguf", ""))
+    if not gguf_path.is_file():
+        return False
+    import gguf
+
+    kinds = [
+        t.tensor_type.name
+        for t in gguf.GGUFReader(gguf_path).tensors
+        if (found := re.fullmatch(r"blk\.\d+\.(\w+)\.weight", t.name)) and found[1] in _GGUF_TO_HF
+    ]
+    facts["holds_rows"] = bool(kinds) and all(kind in BLOCK_BYTES for kind in kinds)
+    try:
+        marker.write_text(json.dumps(facts))
+    except OSError:  # a read-only folder: read again next time
+        pass
+    return facts["holds_rows"]
+
+
 def gguf_rows(source: str | Path | None, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """{name: rows} for the float32 linears of `weights` (HF names: the decoder's, the LM head) that the GGUF
     behind the converted folder `source` holds as Q4_1 or Q8_0; {} for a folder converted from nothing we know."""

@@ -119,39 +119,66 @@ def native_bfloat16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_model_and_flags()[1])
 
 
+BFLOAT16, FLOAT32, ROWS_8_BIT = "bfloat16", "float32", "float32 with Q4_1 rows"  # the weight formats timed
+
+
 @functools.cache
-def bfloat16_is_faster(rows: tuple[int, ...] = (1, 8)) -> bool:
-    """On a CPU with native bfloat16: does a stack of decoder-sized linears stream faster in bfloat16 than in
-    float32 (each with the kernels the target runner would use), at one row and at a verify pass's rows?
-    Measured once per machine, the dtypes taking turns sweep by sweep after a warm-up (packing) sweep; a
-    measurement while other processes held a core decides for this process only and is not cached (one
-    taken beside a training job once chose float32: bfloat16 272 ms against 45 ms, at twice the time a
-    token on an idle machine)."""
+def weight_format_ms(rows: tuple[int, ...] = (1, 8)) -> dict[str, float]:
+    """On a CPU with native bfloat16: ms of a stack of decoder-sized linears at one row plus at a verify pass's
+    rows, in float32, in bfloat16, and in float32 with Q4_1 rows (the 8-bit-input kernel a candidate, as for a
+    target that ships as a Q4_1 GGUF), each with the kernels the target runner would use. Measured once per
+    machine, the formats taking turns sweep by sweep after a warm-up (packing) sweep; a measurement while other
+    processes held a core decides for this process only and is not cached (one taken beside a training job once
+    chose float32: bfloat16 272 ms against 45 ms, at twice the time a token on an idle machine). {} where
+    bfloat16 is not native (emulated, it never wins: nothing is timed)."""
     if not native_bfloat16():
-        return False
-    path = cache_dir("kernel-plans") / f"bf16-vs-fp32-{kernels_digest()}.json"
+        return {}
+    path = cache_dir("kernel-plans") / f"weight-formats-{kernels_digest()}.json"
     if path.exists():
-        return json.loads(path.read_text())["bfloat16_faster"]
+        return json.loads(path.read_text())["ms"]
     generator = torch.Generator().manual_seed(0)
     shapes = [(2048, 1024), (1024, 1024), (4096, 1024), (1024, 2048)] * 8  # ~200 MB in float32
     stacks = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        linears = [Linear(torch.randn(shape, generator=generator).to(dtype)) for shape in shapes]
+    for name, dtype in ((FLOAT32, torch.float32), (BFLOAT16, torch.bfloat16), (ROWS_8_BIT, torch.float32)):
+        linears = []
+        for shape in shapes:
+            weight, blocks = torch.randn(shape, generator=generator), None
+            if name == ROWS_8_BIT:
+                blocks = quantize_q4_1(weight)
+                weight = dequantize(blocks, shape[1])
+            linears.append(Linear(weight.to(dtype), None, blocks))
         for lin in linears:
             if "onednn" in candidates(dtype, max(rows), exact=True):
                 lin.pack_onednn()
-        stacks[str(dtype)] = (linears, dtype)
+        stacks[name] = linears
     best: dict[str, float] = {}
     with ForeignLoad() as load:
         for sweep in range(4):  # the first is a warm-up
-            for name, (linears, dtype) in stacks.items():
-                ms = sum(min(_time_sweeps(linears, candidates(dtype, m, exact=True), m, 1).values()) for m in rows)
+            for name, linears in stacks.items():
+                quantized = has_gguf_rows(linears)
+                dtype = linears[0].weight.dtype
+                ms = sum(
+                    min(_time_sweeps(linears, candidates(dtype, m, exact=True, quantized=quantized), m, 1).values())
+                    for m in rows
+                )
                 if sweep:
                     best[name] = min(best.get(name, ms), ms)
-    faster = best["torch.bfloat16"] < best["torch.float32"]
     if load.cores <= MAX_FOREIGN_CORES:
-        path.write_text(json.dumps({"bfloat16_faster": faster, "ms": best}))
-    return faster
+        path.write_text(json.dumps({"ms": best}))
+    return best
+
+
+def bfloat16_is_faster() -> bool:
+    """Whether bfloat16 weights stream faster than float32 ones here (native bfloat16 and measured)."""
+    ms = weight_format_ms()
+    return bool(ms) and ms[BFLOAT16] < ms[FLOAT32]
+
+
+def rows_beat_bfloat16() -> bool:
+    """Whether float32 weights over their Q4_1 rows (8-bit inputs where the kernel builds) stream faster than
+    bfloat16 weights here; true where bfloat16 is not native. Zen 4, stop 61: 4.7 ms against 15.7."""
+    ms = weight_format_ms()
+    return not ms or ms[ROWS_8_BIT] < ms[BFLOAT16]
 
 
 def stable_digest(value) -> str:

@@ -82,6 +82,57 @@ struct Q8_0Groups {
 // fixes the order of the adds; it emits nothing.
 inline void keep_in_register(__m256i& sum) { __asm__("" : "+x"(sum)); }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// With AVX512-VNNI (Zen 4, Ice Lake and later; the ymm form) four products of unsigned bytes u and signed bytes s
+// add into each 32-bit lane in one vpdpbusd, where AVX2 takes vpmaddubsw, vpmaddwd and an add: the same integer
+// sums (neither saturates here). Its latency (~4 cycles) would set the pace of one running sum, so each input
+// row keeps two, the even and the odd steps', added at the block's end.
+#define SPECDECODE_VNNI 1
+
+template <int MB>
+inline void block_sums(Q4_1Groups, const uint8_t* block, const int8_t* const* xq, __m256i* sums) {
+  const __m256i nibble = _mm256_set1_epi8(15);
+  __m256i low_sums[MB], high_sums[MB];
+  for (int i = 0; i < MB; ++i) low_sums[i] = high_sums[i] = _mm256_setzero_si256();
+  for (int s = 0; s < 4; ++s) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s));
+    const __m256i low = _mm256_and_si256(packed, nibble);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+    for (int i = 0; i < MB; ++i) {
+      int32_t first, second;
+      __builtin_memcpy(&first, xq[i] + 8 * s, 4);
+      __builtin_memcpy(&second, xq[i] + 8 * s + 4, 4);
+      low_sums[i] = _mm256_dpbusd_epi32(low_sums[i], low, _mm256_set1_epi32(first));
+      high_sums[i] = _mm256_dpbusd_epi32(high_sums[i], high, _mm256_set1_epi32(second));
+      keep_in_register(low_sums[i]);
+      keep_in_register(high_sums[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) sums[i] = _mm256_add_epi32(low_sums[i], high_sums[i]);
+}
+
+template <int MB>
+inline void block_sums(Q8_0Groups, const uint8_t* block, const int8_t* const* xq, __m256i* sums) {
+  __m256i even[MB], odd[MB];
+  for (int i = 0; i < MB; ++i) even[i] = odd[i] = _mm256_setzero_si256();
+  for (int s = 0; s < 8; s += 2) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s + 32));
+    const __m256i magnitude0 = _mm256_sign_epi8(w0, w0), magnitude1 = _mm256_sign_epi8(w1, w1);
+    for (int i = 0; i < MB; ++i) {
+      int32_t four0, four1;
+      __builtin_memcpy(&four0, xq[i] + 4 * s, 4);
+      __builtin_memcpy(&four1, xq[i] + 4 * s + 4, 4);
+      even[i] = _mm256_dpbusd_epi32(even[i], magnitude0, _mm256_sign_epi8(_mm256_set1_epi32(four0), w0));
+      odd[i] = _mm256_dpbusd_epi32(odd[i], magnitude1, _mm256_sign_epi8(_mm256_set1_epi32(four1), w1));
+      keep_in_register(even[i]);
+      keep_in_register(odd[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) sums[i] = _mm256_add_epi32(even[i], odd[i]);
+}
+
+#else
 // The eight rows' integer sums of one block against MB input rows, as 32-bit lanes (one per weight row).
 // Q4_1: 4-bit weights against 8-bit inputs, pair sums |.| <= 2 * 15 * 127 and eight of them per 16-bit lane
 // (< 2^15), widened once. Q8_0: signed by signed through vpmaddubsw's unsigned operand (|w| against the
@@ -123,6 +174,7 @@ inline void block_sums(Q8_0Groups, const uint8_t* block, const int8_t* const* xq
     }
   }
 }
+#endif
 
 // A block's float32 terms into each input row's eight accumulators: d_w d_x sum, then (Q4_1) m_w s_x.
 inline __m256 block_terms(Q4_1Groups, const uint8_t* block, __m256i sums, InputScale scale, __m256 acc) {
