@@ -65,7 +65,8 @@ def smollm2_fp32(smollm2) -> Target:
 
 def keep_float_inputs(target: Target) -> None:
     """Every linear of `target` on the fastest kernel of float32 inputs its plan timed at each row count
-    (`few-rows-gguf` where the 8-bit-input kernel was forced and nothing was timed)."""
+    (`few-rows-gguf` where the 8-bit-input kernel was forced and nothing was timed), and a KV cache of the
+    weights' dtype."""
     timings = target.runner.kernel_plan["timings"]
     for lin in target.runner.linears():
         for bucket, kernel in lin.plan.items():
@@ -74,6 +75,8 @@ def keep_float_inputs(target: Target) -> None:
                 lin.plan[bucket] = min(timed, key=timed.get) if timed else "few-rows-gguf"
                 if lin.plan[bucket] == "onednn":
                     lin.pack_onednn()
+    target.runner.cache_dtype = target.dtype  # not the bfloat16 entries kept beside 8-bit inputs
+    target.kv = target.new_cache(1, target.kv.capacity)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdecode.models.linear import EIGHT_BIT_INPUTS, Linear, cpu_kernels_available, plan_kernels
+from specdecode.models.linear import EIGHT_BIT_INPUTS, Linear, cpu_kernels_available, native_bfloat16, plan_kernels
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -290,10 +290,6 @@ class LlamaRunner:
         # or bfloat16 weights; elsewhere the stock ops compute in the weights' dtype
         self.fused = device.type == "cpu" and weights in (torch.float32, torch.bfloat16) and cpu_kernels_available()
         self.dtype = torch.float32 if self.fused else weights  # of activations
-        # the KV cache holds what the weights hold: bfloat16 entries halve what a long or batched step reads
-        # (64 requests of 512 tokens: 1.1 GB a step in float32, against 270 MB of weights); every reader (the
-        # C++ attention, SDPA for other masks) widens the same rounded entries, so verify = steps still holds
-        self.cache_dtype = weights
 
         def vector(weight: torch.Tensor | None) -> torch.Tensor | None:  # a norm's weight, in the compute dtype
             return None if weight is None else weight.detach().to(self.dtype)
@@ -329,13 +325,20 @@ class LlamaRunner:
         signature = {"model": c.model_type, "hidden": c.hidden_size, "layers": len(self.layers), "dtype": str(weights)}
         # exact: a verify pass computes bit for bit what one-token steps compute (models/linear.py)
         self.kernel_plan = plan_kernels(self.linears(), kernel, signature, exact=True) if device.type == "cpu" else {}
+        planned = {k for lin in self.linears() for k in lin.plan.values()}
+        # the KV cache holds what the weights hold: bfloat16 entries halve what a long or batched step reads
+        # (64 requests of 512 tokens: 1.1 GB a step in float32, against 270 MB of weights); every reader (the
+        # C++ attention, SDPA for other masks) widens the same rounded entries, so verify = steps still holds.
+        # bfloat16 entries too where the linears take 8-bit inputs (a rounding of bfloat16's class already) and
+        # the CPU reads bfloat16 natively: 64 requests at 1,024 tokens read 3 GB of float32 entries a step
+        eight_bit_inputs = EIGHT_BIT_INPUTS in planned and native_bfloat16()
+        self.cache_dtype = torch.bfloat16 if eight_bit_inputs else weights
         # the C++ layer loop (csrc/decoder_layers.cpp) runs the layers of the model types it covers
         plain = all(lin.bias is None for lin in self.linears()) and all(lay.q_norm is None for lay in self.layers)
         self.layer_weights: dict[str, list[torch.Tensor]] = {}  # per few-rows kernel
         if self.fused and plain:
             # the float32 kernels' weights are the tensors already held, so both are ready for a plan switched
             # between them; the 8-bit kernel's are an interleaved copy (96 MB, 0.2 s for SmolLM2), made if planned
-            planned = {k for lin in self.linears() for k in lin.plan.values()}
             for k in ("few-rows", "few-rows-gguf", *({EIGHT_BIT_INPUTS} & planned)):
                 self.layer_weights[k] = [w for lay in self.layers for w in lay.loop_weights(k)]
 
