@@ -86,14 +86,15 @@ inline void keep_in_register(__m256i& sum) { __asm__("" : "+x"(sum)); }
 // With AVX512-VNNI (Zen 4, Ice Lake and later; the ymm form) four products of unsigned bytes u and signed bytes s
 // add into each 32-bit lane in one vpdpbusd, where AVX2 takes vpmaddubsw, vpmaddwd and an add: the same integer
 // sums (neither saturates here). Its latency (~4 cycles) would set the pace of one running sum, so each input
-// row keeps two, the even and the odd steps', added at the block's end.
+// row of a tile of up to four keeps two, added at the block's end (a tile of eight has eight already).
 #define SPECDECODE_VNNI 1
 
 template <int MB>
 inline void block_sums(Q4_1Groups, const uint8_t* block, const int8_t* const* xq, __m256i* sums) {
+  constexpr bool kTwoSums = MB < 8;  // eight rows are eight running sums already
   const __m256i nibble = _mm256_set1_epi8(15);
-  __m256i low_sums[MB], high_sums[MB];
-  for (int i = 0; i < MB; ++i) low_sums[i] = high_sums[i] = _mm256_setzero_si256();
+  __m256i high_sums[MB];
+  for (int i = 0; i < MB; ++i) sums[i] = high_sums[i] = _mm256_setzero_si256();
   for (int s = 0; s < 4; ++s) {
     const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s));
     const __m256i low = _mm256_and_si256(packed, nibble);
@@ -102,19 +103,22 @@ inline void block_sums(Q4_1Groups, const uint8_t* block, const int8_t* const* xq
       int32_t first, second;
       __builtin_memcpy(&first, xq[i] + 8 * s, 4);
       __builtin_memcpy(&second, xq[i] + 8 * s + 4, 4);
-      low_sums[i] = _mm256_dpbusd_epi32(low_sums[i], low, _mm256_set1_epi32(first));
-      high_sums[i] = _mm256_dpbusd_epi32(high_sums[i], high, _mm256_set1_epi32(second));
-      keep_in_register(low_sums[i]);
-      keep_in_register(high_sums[i]);
+      sums[i] = _mm256_dpbusd_epi32(sums[i], low, _mm256_set1_epi32(first));
+      __m256i& other = kTwoSums ? high_sums[i] : sums[i];
+      other = _mm256_dpbusd_epi32(other, high, _mm256_set1_epi32(second));
+      keep_in_register(sums[i]);
+      if (kTwoSums) keep_in_register(high_sums[i]);
     }
   }
-  for (int i = 0; i < MB; ++i) sums[i] = _mm256_add_epi32(low_sums[i], high_sums[i]);
+  if (kTwoSums)
+    for (int i = 0; i < MB; ++i) sums[i] = _mm256_add_epi32(sums[i], high_sums[i]);
 }
 
 template <int MB>
 inline void block_sums(Q8_0Groups, const uint8_t* block, const int8_t* const* xq, __m256i* sums) {
-  __m256i even[MB], odd[MB];
-  for (int i = 0; i < MB; ++i) even[i] = odd[i] = _mm256_setzero_si256();
+  constexpr bool kTwoSums = MB < 8;
+  __m256i odd_sums[MB];
+  for (int i = 0; i < MB; ++i) sums[i] = odd_sums[i] = _mm256_setzero_si256();
   for (int s = 0; s < 8; s += 2) {
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s + 32));
@@ -123,13 +127,15 @@ inline void block_sums(Q8_0Groups, const uint8_t* block, const int8_t* const* xq
       int32_t four0, four1;
       __builtin_memcpy(&four0, xq[i] + 4 * s, 4);
       __builtin_memcpy(&four1, xq[i] + 4 * s + 4, 4);
-      even[i] = _mm256_dpbusd_epi32(even[i], magnitude0, _mm256_sign_epi8(_mm256_set1_epi32(four0), w0));
-      odd[i] = _mm256_dpbusd_epi32(odd[i], magnitude1, _mm256_sign_epi8(_mm256_set1_epi32(four1), w1));
-      keep_in_register(even[i]);
-      keep_in_register(odd[i]);
+      sums[i] = _mm256_dpbusd_epi32(sums[i], magnitude0, _mm256_sign_epi8(_mm256_set1_epi32(four0), w0));
+      __m256i& other = kTwoSums ? odd_sums[i] : sums[i];
+      other = _mm256_dpbusd_epi32(other, magnitude1, _mm256_sign_epi8(_mm256_set1_epi32(four1), w1));
+      keep_in_register(sums[i]);
+      if (kTwoSums) keep_in_register(odd_sums[i]);
     }
   }
-  for (int i = 0; i < MB; ++i) sums[i] = _mm256_add_epi32(even[i], odd[i]);
+  if (kTwoSums)
+    for (int i = 0; i < MB; ++i) sums[i] = _mm256_add_epi32(sums[i], odd_sums[i]);
 }
 
 #else
@@ -220,7 +226,11 @@ void q8_groups(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* 
   for (int64_t g = g0; g < g1; ++g) {
     int64_t m0 = 0;
     for (; m0 + MB <= M; m0 += MB) group_tile<MB, Format>(Xq, Xs, P, Y, m0, g, K, N);
-    if (MB == 4 && M - m0 == 3) {
+    if (MB == 8 && M - m0 >= 4) {
+      group_tile<4, Format>(Xq, Xs, P, Y, m0, g, K, N);
+      m0 += 4;
+    }
+    if (MB >= 4 && M - m0 == 3) {
       group_tile<3, Format>(Xq, Xs, P, Y, m0, g, K, N);
       continue;
     }
@@ -231,6 +241,9 @@ void q8_groups(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* 
 template <typename Format>
 void q8_groups_by_rows(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* Y, int64_t M, int64_t K,
                        int64_t N, int64_t g0, int64_t g1) {
+#if defined(SPECDECODE_VNNI)
+  if (M >= 8) return q8_groups<8, Format>(Xq, Xs, P, Y, M, K, N, g0, g1);
+#endif
   if (M == 3)
     q8_groups<3, Format>(Xq, Xs, P, Y, M, K, N, g0, g1);
   else if (M >= 4)
