@@ -86,7 +86,9 @@ inline void keep_in_register(__m256i& sum) { __asm__("" : "+x"(sum)); }
 // With AVX512-VNNI (Zen 4, Ice Lake and later; the ymm form) four products of unsigned bytes u and signed bytes s
 // add into each 32-bit lane in one vpdpbusd, where AVX2 takes vpmaddubsw, vpmaddwd and an add: the same integer
 // sums (neither saturates here). Its latency (~4 cycles) would set the pace of one running sum, so each input
-// row of a tile of up to four keeps two, added at the block's end (a tile of eight has eight already).
+// row of a tile of up to four keeps two, added at the block's end (a tile of eight has eight already). The
+// steps' loops are written out apart from AVX2's: walked by one helper with a lambda per instruction set, GCC 12
+// spilled more of the tiles' sums (the Q4_1 eight-row tile's stack references 16 -> 54).
 #define SPECDECODE_VNNI 1
 
 template <int MB>
