@@ -1,9 +1,11 @@
 """How close the 8-bit-input kernel (`few-rows-q8`) comes to this CPU's int8 multiply throughput, by row count.
 
-Without AVX-VNNI, 32 products of 8-bit numbers are one `vpmaddubsw`; a pass over k rows does k times the products
-of one, so once the weights stream at the memory's speed (one row) each further row costs its products at the
-multiply ports' rate. This measures that rate with eight independent chains of `vpmaddubsw` and the add that
-accumulates it, the least a kernel does per 32 products (built here with the machine's compiler, run on one core
+Without AVX512-VNNI, 32 products of 8-bit numbers are one `vpmaddubsw`; with it, one `vpdpbusd` (the ymm form
+the kernel uses, accumulating too). A pass over k rows does k times the products of one, so once the weights
+stream at the memory's speed (one row) each further row costs its products at the multiply ports' rate. This
+measures that rate with eight independent chains of the instruction the kernel uses (`vpmaddubsw` and the add
+that accumulates it, or `vpdpbusd`), the least a kernel does per 32 products (built here with the machine's
+compiler for this CPU, run on one core
 and on every core at once; before stop 60 the chains were an array that GCC kept on the stack, and the probe
 measured store-to-load forwarding: 64 GMAC/s a core on a Zen 3 that multiplies at ~147), then the target's
 decoder linears and its LM head under the kernel at 1-16 rows with 1 and all threads, as GMAC/s and as a share
@@ -25,7 +27,7 @@ import torch
 
 from specdecode.evaluation.results import write_results
 from specdecode.machine import measure_quietly
-from specdecode.models.linear import EIGHT_BIT_INPUTS, cpu_kernels_available
+from specdecode.models.linear import EIGHT_BIT_INPUTS, cpu_kernels_available, cpu_model_and_flags
 from specdecode.models.target import Target
 
 PROBE = r"""
@@ -34,7 +36,11 @@ PROBE = r"""
 #include <cstdio>
 // eight independent chains in named registers (an array of vectors may live on the stack at -O2, and then the
 // loop measures store-to-load forwarding, not the multiplier)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define STEP(acc, a, b) acc = _mm256_dpbusd_epi32(acc, a, b); __asm__("" : "+x"(acc));
+#else
 #define STEP(acc, a, b) acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(a, b)); __asm__("" : "+x"(acc));
+#endif
 int main(int argc, char**) {
   __m256i c0 = _mm256_set1_epi16(0), c1 = _mm256_set1_epi16(1), c2 = _mm256_set1_epi16(2), c3 = _mm256_set1_epi16(3);
   __m256i c4 = _mm256_set1_epi16(4), c5 = _mm256_set1_epi16(5), c6 = _mm256_set1_epi16(6), c7 = _mm256_set1_epi16(7);
@@ -61,7 +67,7 @@ def build_probe(folder: Path) -> Path:
     """The probe, compiled with the machine's compiler into `folder`."""
     source, binary = folder / "probe.cpp", folder / "probe"
     source.write_text(PROBE)
-    subprocess.run(["c++", "-O2", "-mavx2", "-o", str(binary), str(source)], check=True)
+    subprocess.run(["c++", "-O2", "-march=native", "-o", str(binary), str(source)], check=True)
     return binary
 
 
@@ -113,7 +119,8 @@ def main() -> None:
                 run = {"part": part, "threads": threads, "rows": rows, "ms": ms, "gmacs": gmacs, "share": share}
                 runs.append({**run, "foreign_load_cores": foreign})
                 lines.append(f"| {part} | {threads} | {rows} | {ms:.2f} | {gmacs:.1f} | {share:.2f} |")
-    peaks = f"vpmaddubsw peak: {alone:.1f} GMAC/s on one core, {peak[cores]:.1f} on {cores} cores at once"
+    instruction = "vpdpbusd" if {"avx512_vnni", "avx512vl"} <= cpu_model_and_flags()[1] else "vpmaddubsw"
+    peaks = f"{instruction} peak: {alone:.1f} GMAC/s on one core, {peak[cores]:.1f} on {cores} cores at once"
     foreign = max(r["foreign_load_cores"] for r in runs)
     notes = f"Cores used by other processes during a measurement: at most {foreign:.2f}."
     table = f"{peaks}.\n\n" + "\n".join(lines) + f"\n\n{notes}\n"
