@@ -391,10 +391,10 @@ def eight_bit_reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("kind", "group_bytes"), [("Q4_1", 160), ("Q8_0", 272)])
 def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_product(kind, group_bytes):
     """GGUF rows interleaved for 8-bit inputs: row r's output is bit-identical alone or beside 1..39 other rows
-    (tiles of eight where the CPU has VNNI, four, three, two, single rows) on one thread and on two, it is the
-    Q8_1 product (a float64 reference of the same rounding; only the float32 sums of its blocks differ), and
-    within the inputs' rounding of the float32 product. Interleaving only moves bytes, and needs whole groups of
-    eight rows."""
+    (tiles of one to eight rows where the CPU has VNNI; of four, three, two, one elsewhere) on one thread and on
+    two, it is the Q8_1 product (a float64 reference of the same rounding; only the float32 sums of its blocks
+    differ), and within the inputs' rounding of the float32 product. Interleaving only moves bytes, and needs whole
+    groups of eight rows."""
     generator = torch.Generator().manual_seed(0)
     blocks = random_gguf_rows(kind, 304, 192, generator)
     packed = interleave(blocks, 192)
@@ -404,7 +404,7 @@ def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_product(kind
     for count in sorted({1, 2, torch.get_num_threads()}):
         with torch_threads(count):
             alone = torch.cat([torch.ops.specdecode.few_rows_linear(x[r : r + 1], packed) for r in range(len(x))])
-            for m in (2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 40):
+            for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 14, 15, 16, 40):
                 assert torch.equal(torch.ops.specdecode.few_rows_linear(x[:m], packed), alone[:m]), (count, m)
     torch.testing.assert_close(alone.double(), eight_bit_reference(x, blocks), atol=1e-5, rtol=1e-5)
     exact = x @ dequantize(blocks, 192).T
