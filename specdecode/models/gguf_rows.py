@@ -127,6 +127,13 @@ def _in_weight_order(blocks: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return None if None in order else blocks[order].contiguous()
 
 
+def _decoder_name(tensor_name: str) -> str | None:
+    """The HF name of a GGUF decoder linear (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`),
+    else None."""
+    found = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor_name)
+    return f"model.layers.{found[1]}.{_GGUF_TO_HF[found[2]]}.weight" if found and found[2] in _GGUF_TO_HF else None
+
+
 def holds_rows(source: str | Path | None) -> bool:
     """Whether the GGUF behind the converted folder `source` stores every decoder linear as Q4_1 or Q8_0 rows
     (the few-rows kernels can then stream those rows instead of float32 weights). The answer is kept in the
@@ -146,11 +153,7 @@ def holds_rows(source: str | Path | None) -> bool:
         return False
     import gguf
 
-    kinds = [
-        t.tensor_type.name
-        for t in gguf.GGUFReader(gguf_path).tensors
-        if (found := re.fullmatch(r"blk\.\d+\.(\w+)\.weight", t.name)) and found[1] in _GGUF_TO_HF
-    ]
+    kinds = [t.tensor_type.name for t in gguf.GGUFReader(gguf_path).tensors if _decoder_name(t.name)]
     facts["holds_rows"] = bool(kinds) and all(kind in BLOCK_BYTES for kind in kinds)
     try:
         marker.write_text(json.dumps(facts))
@@ -182,12 +185,10 @@ def gguf_rows(source: str | Path | None, weights: dict[str, torch.Tensor]) -> di
 
     rows = {}
     for tensor in gguf.GGUFReader(gguf_path).tensors:
-        found = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor.name)
-        if found and found[2] in _GGUF_TO_HF:
-            name = f"model.layers.{found[1]}.{_GGUF_TO_HF[found[2]]}.weight"
-        elif tensor.name in _HEAD and _HEAD[tensor.name] not in rows:  # an untied head's own, or the embedding
-            name = _HEAD[tensor.name]
-        else:
+        name = _decoder_name(tensor.name)
+        if name is None and tensor.name in _HEAD and _HEAD[tensor.name] not in rows:
+            name = _HEAD[tensor.name]  # an untied head's own, or the embedding
+        if name is None:
             continue
         weight, kind = weights.get(name), tensor.tensor_type.name
         if weight is None or weight.dtype != torch.float32 or weight.shape[1] % 32 or kind not in BLOCK_BYTES:

@@ -325,22 +325,25 @@ class LlamaRunner:
         signature = {"model": c.model_type, "hidden": c.hidden_size, "layers": len(self.layers), "dtype": str(weights)}
         # exact: a verify pass computes bit for bit what one-token steps compute (models/linear.py)
         self.kernel_plan = plan_kernels(self.linears(), kernel, signature, exact=True) if device.type == "cpu" else {}
-        planned = {k for lin in self.linears() for k in lin.plan.values()}
         # the KV cache holds what the weights hold: bfloat16 entries halve what a long or batched step reads
         # (64 requests of 512 tokens: 1.1 GB a step in float32, against 270 MB of weights); every reader (the
         # C++ attention, SDPA for other masks) widens the same rounded entries, so verify = steps still holds.
         # bfloat16 entries too where the linears take 8-bit inputs (a rounding of bfloat16's class already) and
         # the CPU reads bfloat16 natively: 64 requests at 1,024 tokens read 3 GB of float32 entries a step
-        eight_bit_inputs = EIGHT_BIT_INPUTS in planned and native_bfloat16()
-        self.cache_dtype = torch.bfloat16 if eight_bit_inputs else weights
+        self.cache_dtype = torch.bfloat16 if self.eight_bit_inputs and native_bfloat16() else weights
         # the C++ layer loop (csrc/decoder_layers.cpp) runs the layers of the model types it covers
         plain = all(lin.bias is None for lin in self.linears()) and all(lay.q_norm is None for lay in self.layers)
         self.layer_weights: dict[str, list[torch.Tensor]] = {}  # per few-rows kernel
         if self.fused and plain:
             # the float32 kernels' weights are the tensors already held, so both are ready for a plan switched
             # between them; the 8-bit kernel's are an interleaved copy (96 MB, 0.2 s for SmolLM2), made if planned
-            for k in ("few-rows", "few-rows-gguf", *({EIGHT_BIT_INPUTS} & planned)):
+            for k in ("few-rows", "few-rows-gguf", *([EIGHT_BIT_INPUTS] if self.eight_bit_inputs else [])):
                 self.layer_weights[k] = [w for lay in self.layers for w in lay.loop_weights(k)]
+
+    @property
+    def eight_bit_inputs(self) -> bool:
+        """Whether the plan runs some of the linears on inputs rounded to 8 bits (where it found them faster)."""
+        return any(EIGHT_BIT_INPUTS in lin.plan.values() for lin in self.linears())
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [

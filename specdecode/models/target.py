@@ -22,7 +22,6 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models import registry
 from specdecode.models.gguf_rows import gguf_rows, holds_rows
 from specdecode.models.linear import (
-    EIGHT_BIT_INPUTS,
     KERNELS,
     FrozenLinear,
     bfloat16_is_faster,
@@ -150,8 +149,7 @@ class Target:
     def eight_bit_inputs(self) -> bool:
         """Whether the plan runs some of the runner's linears on inputs rounded to 8 bits (where it found them
         faster: models/linear.py)."""
-        plans = [lin.plan.values() for lin in self.runner.linears()] if self.runner else []
-        return any(EIGHT_BIT_INPUTS in plan for plan in plans)
+        return self.runner is not None and self.runner.eight_bit_inputs
 
     @property
     def rounds_inputs(self) -> bool:
