@@ -219,6 +219,28 @@ inline void group_tile(const int8_t* Xq, const InputScale* Xs, const uint8_t* P,
   for (int i = 0; i < MB; ++i) _mm256_storeu_ps(Y + (m0 + i) * N + g * kGroupRows, acc[i]);
 }
 
+#if defined(SPECDECODE_VNNI)
+// With 32 vector registers a tile of up to eight rows keeps its sums in registers, so the rows left after whole
+// tiles of eight are one tile of their own size (five rows were a tile of four and one of one).
+template <typename Format>
+void q8_groups_by_rows(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* Y, int64_t M, int64_t K,
+                       int64_t N, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    int64_t m0 = 0;
+    for (; m0 + 8 <= M; m0 += 8) group_tile<8, Format>(Xq, Xs, P, Y, m0, g, K, N);
+    switch (M - m0) {
+      case 7: group_tile<7, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
+      case 6: group_tile<6, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
+      case 5: group_tile<5, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
+      case 4: group_tile<4, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
+      case 3: group_tile<3, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
+      case 2: group_tile<2, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
+      case 1: group_tile<1, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
+    }
+  }
+}
+
+#else
 // Without VNNI (AVX2: 16 vector registers) tiles of up to four input rows share each loaded group (eight rows a
 // tile spilled registers: 1.3x the time); three rows left after whole tiles are one tile, not three (the model's
 // linears at seven rows: 8.9 -> 7.5 ms; at three rows 5.9 -> 4.3). Written as few tile sizes per loop as that
@@ -238,34 +260,9 @@ void q8_groups(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* 
   }
 }
 
-#if defined(SPECDECODE_VNNI)
-// With 32 vector registers a tile of up to eight rows keeps its sums in registers, so the rows left after whole
-// tiles of eight are one tile of their own size (five rows were a tile of four and one of one).
-template <typename Format>
-void q8_groups_vnni(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* Y, int64_t M, int64_t K,
-                    int64_t N, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) {
-    int64_t m0 = 0;
-    for (; m0 + 8 <= M; m0 += 8) group_tile<8, Format>(Xq, Xs, P, Y, m0, g, K, N);
-    switch (M - m0) {
-      case 7: group_tile<7, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
-      case 6: group_tile<6, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
-      case 5: group_tile<5, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
-      case 4: group_tile<4, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
-      case 3: group_tile<3, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
-      case 2: group_tile<2, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
-      case 1: group_tile<1, Format>(Xq, Xs, P, Y, m0, g, K, N); break;
-    }
-  }
-}
-#endif
-
 template <typename Format>
 void q8_groups_by_rows(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* Y, int64_t M, int64_t K,
                        int64_t N, int64_t g0, int64_t g1) {
-#if defined(SPECDECODE_VNNI)
-  q8_groups_vnni<Format>(Xq, Xs, P, Y, M, K, N, g0, g1);
-#else
   if (M == 3)
     q8_groups<3, Format>(Xq, Xs, P, Y, M, K, N, g0, g1);
   else if (M >= 4)
@@ -274,8 +271,8 @@ void q8_groups_by_rows(const int8_t* Xq, const InputScale* Xs, const uint8_t* P,
     q8_groups<2, Format>(Xq, Xs, P, Y, M, K, N, g0, g1);
   else
     q8_groups<1, Format>(Xq, Xs, P, Y, M, K, N, g0, g1);
-#endif
 }
+#endif
 
 }  // namespace
 
