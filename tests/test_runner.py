@@ -388,17 +388,18 @@ def eight_bit_reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 @needs_q8_rows
-@pytest.mark.parametrize(("kind", "group_bytes"), [("Q4_1", 160), ("Q8_0", 272)])
-def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_product(kind, group_bytes):
+@pytest.mark.parametrize(("kind", "row_bytes"), [("Q4_1", 20), ("Q8_0", 34)])
+def test_eight_bit_inputs_are_exact_per_row_and_compute_llama_cpp_s_product(kind, row_bytes):
     """GGUF rows interleaved for 8-bit inputs: row r's output is bit-identical alone or beside 1..39 other rows
     (tiles of one to eight rows where the CPU has VNNI; of four, three, two, one elsewhere) on one thread and on
     two, it is the Q8_1 product (a float64 reference of the same rounding; only the float32 sums of its blocks
-    differ), and within the inputs' rounding of the float32 product. Interleaving only moves bytes, and needs whole
-    groups of eight rows."""
+    differ), and within the inputs' rounding of the float32 product. Interleaving needs whole groups of the
+    kernel's rows (16 with VNNI, else 8)."""
     generator = torch.Generator().manual_seed(0)
     blocks = random_gguf_rows(kind, 304, 192, generator)
-    packed = interleave(blocks, 192)
-    assert packed.shape == (38, 6, group_bytes) and interleave(blocks[:300], 192) is None
+    group = torch.ops.specdecode.q8_group_rows()
+    packed = interleave(blocks, 192, group)
+    assert packed.shape == (304 // group, 6, row_bytes * group) and interleave(blocks[:300], 192, group) is None
     x = torch.randn(40, 192, generator=generator)
     x[3, 32:64] = 0.0  # a block of zeros: scale 0, no division by it
     for count in sorted({1, 2, torch.get_num_threads()}):

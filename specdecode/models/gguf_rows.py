@@ -79,27 +79,29 @@ def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([d.view(torch.uint8), low.view(torch.uint8), nibbles], dim=-1).reshape(rows, -1)
 
 
-def interleave(blocks: torch.Tensor, inputs: int) -> torch.Tensor | None:
+def interleave(blocks: torch.Tensor, inputs: int, group: int) -> torch.Tensor | None:
     """Q4_1 rows (N, inputs / 32 * 20) or Q8_0 rows (N, inputs / 32 * 34) -> the 8-bit-input kernel's groups of
-    eight rows (N / 8, inputs / 32, 160 or 272) uint8, or None where N is not a multiple of 8. Per group and block,
-    Q4_1: four steps of 32 bytes, step s giving row r's weights 8 s + t in the low nibble of byte 4 r + t and
-    8 s + 4 + t in its high nibble (t < 4), then the eight d, then the eight m; Q8_0: eight steps of 32 bytes, step
-    s giving row r's weights 4 s + t in byte 4 r + t, then the eight d (csrc/q8_rows.cpp). The same bytes,
-    reordered: nothing is rounded."""
+    `group` rows (N / group, inputs / 32, 20 group or 34 group) uint8, or None where N is not a multiple of `group`
+    (the kernel's `q8_group_rows`: 16 with AVX512-VNNI, else 8). Per group and block, Q4_1: four steps of 4 group
+    bytes, step s giving row r's weights 8 s + t in the low nibble of byte 4 r + t and 8 s + 4 + t in its high
+    nibble (t < 4), then the group's d, then its m; Q8_0: eight steps of 4 group bytes, step s giving row r's
+    weights 4 s + t in byte 4 r + t (in groups of 16 plus 128: unsigned, as vpdpbusd takes them), then the group's d
+    (csrc/q8_rows.cpp). The same bytes, reordered: nothing is rounded."""
     rows, count = blocks.shape[0], inputs // 32
-    if rows % 8:
+    if rows % group:
         return None
-    b = blocks.view(rows // 8, 8, count, -1)  # group, row, block, bytes
+    b = blocks.view(rows // group, group, count, -1)  # group, row, block, bytes
 
     def per_row(part: torch.Tensor, steps: int) -> torch.Tensor:  # (group, row, block, steps, t) -> step-major
-        return part.view(rows // 8, 8, count, steps, 4).permute(0, 2, 3, 1, 4).reshape(rows // 8, count, -1)
+        return part.view(rows // group, group, count, steps, 4).permute(0, 2, 3, 1, 4).reshape(rows // group, count, -1)
 
-    def scales(offset: int) -> torch.Tensor:  # each row's float16 at `offset` of its blocks, the eight in a row
-        return b[..., offset : offset + 2].permute(0, 2, 1, 3).reshape(rows // 8, count, 16)
+    def scales(offset: int) -> torch.Tensor:  # each row's float16 at `offset` of its blocks, the group's in a row
+        return b[..., offset : offset + 2].permute(0, 2, 1, 3).reshape(rows // group, count, 2 * group)
 
     if b.shape[-1] == BLOCK_BYTES["Q8_0"]:
-        return torch.cat([per_row(b[..., 2:], 8), scales(0)], dim=-1).contiguous()
-    q = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1).view(rows // 8, 8, count, 4, 2, 4)
+        weights = b[..., 2:] ^ 128 if group == 16 else b[..., 2:]
+        return torch.cat([per_row(weights, 8), scales(0)], dim=-1).contiguous()
+    q = torch.cat([b[..., 4:] & 15, b[..., 4:] >> 4], dim=-1).view(rows // group, group, count, 4, 2, 4)
     nibbles = per_row(q[..., 0, :] | (q[..., 1, :] << 4), 4)
     return torch.cat([nibbles, scales(0), scales(2)], dim=-1).contiguous()
 

@@ -211,11 +211,11 @@ class Linear:
     def few_rows_weight(self, kernel: str) -> torch.Tensor:
         """What the few-rows kernel reads under `kernel`: with `few-rows-gguf`, the GGUF rows where this linear has
         them (the same bits as its float32 weight, a fifth to a quarter of the bytes); with `few-rows-q8`, those
-        rows interleaved for 8-bit inputs (once, on first use; a matrix whose rows do not fill groups of eight
+        rows interleaved for 8-bit inputs (once, on first use; a matrix whose rows do not fill the kernel's groups
         keeps its GGUF rows and float32 inputs)."""
         if kernel == EIGHT_BIT_INPUTS and self.blocks is not None:
             if self._interleaved is None:
-                interleaved = interleave(self.blocks, self.weight.shape[1])
+                interleaved = interleave(self.blocks, self.weight.shape[1], torch.ops.specdecode.q8_group_rows())
                 self._interleaved = self.blocks if interleaved is None else interleaved
             return self._interleaved
         return self.blocks if kernel == "few-rows-gguf" and self.blocks is not None else self.kernel_weight

@@ -310,8 +310,8 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
   for (int64_t layer = 0; team && layer < layers; ++layer) {  // qkv, o, gate_up, down: rows of the widths they meet
     const torch::Tensor* w = weights.data() + layer * per_layer;
     for (const int64_t i : {1, 2, 4, 5}) team = team && q8_rows_weights(w[i]);
-    team = team && w[1].size(1) * 32 == x.size(1) && w[1].size(0) * 8 == (H + 2 * KV) * D &&
-           w[2].size(1) * 32 == H * D && w[4].size(1) * 32 == x.size(1) && w[4].size(0) * 8 == 2 * w[5].size(1) * 32;
+    team = team && w[1].size(1) * 32 == x.size(1) && w[1].size(0) * kQ8GroupRows == (H + 2 * KV) * D &&
+           w[2].size(1) * 32 == H * D && w[4].size(1) * 32 == x.size(1) && w[4].size(0) * kQ8GroupRows == 2 * w[5].size(1) * 32;
   }
   if (team) {
     const auto path_entries = paths.has_value() ? paths->contiguous() : torch::Tensor();

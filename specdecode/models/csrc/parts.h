@@ -9,10 +9,18 @@
 #include <utility>
 #include <vector>
 
-// Input rows rounded to 8 bits block by block (csrc/q8_rows.cpp): d_x and d_x * sum(q) of every block of 32.
+// Input rows rounded to 8 bits block by block (csrc/q8_rows.cpp): d_x, d_x * sum(q) and sum(q) of every block of 32.
 struct Q8Scale {
   float d, s;
+  int32_t sum;
 };
+
+// Weight rows per interleaved group of the 8-bit-input kernel: one vector of 32-bit lanes, a row each (csrc/q8_rows.cpp).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t kQ8GroupRows = 16;
+#else
+constexpr int64_t kQ8GroupRows = 8;
+#endif
 
 struct Q8Inputs {
   std::vector<int8_t> q;        // (M, K)
@@ -26,13 +34,14 @@ struct Q8Inputs {
   }
 };
 
-// True where w is interleaved Q4_1 or Q8_0 groups (N / 8, K / 32, 160 or 272) and this build has the kernel.
+// True where w is interleaved Q4_1 or Q8_0 groups (N / G, K / 32, 20 G or 34 G), G = kQ8GroupRows, and this build
+// has the kernel.
 bool q8_rows_weights(const torch::Tensor& w);
 // Rounds x (M, K) into `in`, reusing its buffers.
 void q8_round_inputs(const float* x, int64_t M, int64_t K, Q8Inputs& in);
 // Rounds rows m0 .. m1 - 1 of x (in.M, in.K) into `in`, sized for them (`size_for`).
 void q8_round_rows(const float* x, int64_t m0, int64_t m1, Q8Inputs& in);
-// Groups g0 .. g1 - 1 of eight output columns of y (M, N) = rounded rows . w^T; each output is computed the same
+// Groups g0 .. g1 - 1 of kQ8GroupRows output columns of y (M, N) = rounded rows . w^T; each output is computed the same
 // way whichever part holds it.
 void q8_rows_groups(const Q8Inputs& in, const torch::Tensor& w, float* y, int64_t g0, int64_t g1);
 

@@ -7,10 +7,10 @@
 // is instruction-bound. Here 32 products of 4- or 8-bit weights and 8-bit inputs are one vpmaddubsw, so a
 // one-row pass streams the weights at the memory's speed (Zen 3, a 75 MB Q4_1 matrix: 42 GB/s against 12). On a
 // Zen 4 with native bfloat16 it beat bfloat16 weights too (a decoder-sized stack 5.3 ms against 10.6: stop 61).
-// Layout: the rows in groups of eight, each group block by block (`Q4_1Groups`, `Q8_0Groups` below). One load
-// gives eight rows' four weights each, and a broadcast of four input bytes meets them: the products of a row
-// land in its own lanes, so a block's eight sums leave as one vector, and a group's outputs are one vector
-// with no sums across lanes.
+// Layout: the rows in groups of sixteen (AVX512-VNNI, zmm) or eight (AVX2, ymm), each group block by block
+// (`Q4_1Groups`, `Q8_0Groups` below). One load gives each row of the group four weights, and a broadcast of four
+// input bytes meets them: the products of a row land in its own lane, so a block's sums leave as one vector, and
+// a group's outputs are one vector with no sums across lanes.
 // Each input row, block by block: d_x = max |x| / 127, q = round(x / d_x), s_x = d_x * sum(q) (Q8_1); the block's
 // product with a Q4_1 row is d_w d_x sum(q_w q) + m_w s_x, with a Q8_0 row d_w d_x sum(q_w q). The integer sums
 // are exact; each output adds its blocks' terms to one float32 lane in block order whatever M and the tile are,
@@ -27,13 +27,12 @@
 
 namespace {
 
-constexpr int64_t kGroupRows = 8;
 // Each thread's groups are one contiguous stream; asking for the bytes 2 KB ahead as it goes took the model's
 // one-row linears (~0.3-1.7 MB each, too short for the hardware prefetcher to ramp up) from 3.0 to 2.5 ms on a
 // Zen 3 EPYC (1, 2, 4 and 8 KB ahead: 2.74 / 2.52 / 2.53 / 2.52 ms; four rows 3.83 -> 3.67).
 constexpr int64_t kPrefetchBytes = 2048;
 
-using InputScale = Q8Scale;  // d_x and d_x * sum(q) of one block of one input row
+using InputScale = Q8Scale;  // d_x, d_x * sum(q) and sum(q) of one block of one input row
 
 // One row of K inputs -> K bytes q and K / 32 scales.
 void quantize_row(const float* x, int8_t* q, InputScale* scales, int64_t K) {
@@ -60,21 +59,115 @@ void quantize_row(const float* x, int8_t* q, InputScale* scales, int64_t K) {
     s = _mm_hadd_epi32(s, s);
     s = _mm_hadd_epi32(s, s);
     const float d = amax / 127.f;
-    scales[b] = {d, d * static_cast<float>(_mm_cvtsi128_si32(s))};
+    const int32_t total = _mm_cvtsi128_si32(s);
+    scales[b] = {d, d * static_cast<float>(total), total};
   }
 }
 
-// The weights' two formats, interleaved (models/gguf_rows.py `interleave`): per group of eight rows and block,
-// Q4_1: four steps of 32 bytes (step s: row r's weights 8 s + t in the low nibbles of bytes 4 r + t, t < 4, and
-// 8 s + 4 + t in their high nibbles), then the eight d, then the eight m (float16): 160 bytes;
-// Q8_0: eight steps of 32 bytes (step s: row r's weights 4 s + t, signed, in bytes 4 r + t), then the eight d:
-// 272 bytes.
+// The weights' two formats, interleaved (models/gguf_rows.py `interleave`): per group of G = kQ8GroupRows rows
+// (16 where the CPU has AVX512-VNNI: a zmm register's lanes; else 8, a ymm's) and block,
+// Q4_1: four steps of 4 G bytes (step s: row r's weights 8 s + t in the low nibbles of bytes 4 r + t, t < 4, and
+// 8 s + 4 + t in their high nibbles), then the G d, then the G m (float16): 20 G bytes;
+// Q8_0: eight steps of 4 G bytes (step s: row r's weights 4 s + t in bytes 4 r + t), then the G d: 34 G bytes.
+// Q8_0 weights are signed bytes in groups of eight; in groups of sixteen they are stored plus 128 (unsigned: the
+// operand vpdpbusd takes unsigned; AVX-512 has no vpsignb to move their sign onto the inputs as AVX2 does).
 struct Q4_1Groups {
-  static constexpr int64_t kBytes = 160;
+  static constexpr int64_t kBytes = 20 * kQ8GroupRows;
 };
 struct Q8_0Groups {
-  static constexpr int64_t kBytes = 272;
+  static constexpr int64_t kBytes = 34 * kQ8GroupRows;
 };
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// With AVX512-VNNI (Zen 4, Ice Lake and later) four products of unsigned bytes u and signed bytes s add into each
+// 32-bit lane in one vpdpbusd, where AVX2 takes vpmaddubsw, vpmaddwd and an add: the same integer sums (neither
+// saturates here). In zmm registers a group is sixteen rows: a block's float32 terms, the input broadcasts and
+// the nibble unpacking are shared by twice the products of the ymm form, which in a probe (one thread, a
+// 1536 x 576 matrix in the L2, Zen 4) took Q4_1 at 4 / 8 input rows from 128 / 136 to 158 / 161 GMAC/s and Q8_0
+// (unsigned weights: no sign moves) from 91 / 94 to 170 / 170, of vpdpbusd's ~217 a core. Its latency (~4
+// cycles) would set the pace of one running sum, so each input row of a tile of up to three keeps two, added at
+// the block's end. The steps' loops are written out apart from AVX2's: walked by one helper with a lambda per
+// instruction set, GCC 12 spilled more of the tiles' sums.
+#define SPECDECODE_VNNI 1
+using Sums = __m512i;  // a block's integer sums of one input row, a lane per weight row
+using Acc = __m512;    // an input row's outputs of one group
+inline Acc zero_acc() { return _mm512_setzero_ps(); }
+inline void store_acc(float* y, Acc a) { _mm512_storeu_ps(y, a); }
+inline Acc load_halves(const uint8_t* p) {  // the group's G float16 at p
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline Acc broadcast(float f) { return _mm512_set1_ps(f); }
+inline Acc fmadd(Acc a, Acc b, Acc c) { return _mm512_fmadd_ps(a, b, c); }
+// Keeps a running sum in its register and its adds in order (the AVX2 one below says why); emits nothing.
+inline void keep_in_register(__m512i& sum) { __asm__("" : "+v"(sum)); }
+
+template <int MB>
+inline void block_sums(Q4_1Groups, const uint8_t* block, const int8_t* const* xq, const InputScale*, Sums* sums) {
+  constexpr bool kTwoSums = MB < 4;  // four rows and more are enough running sums
+  const __m512i nibble = _mm512_set1_epi8(15);
+  __m512i high_sums[MB];
+  for (int i = 0; i < MB; ++i) sums[i] = high_sums[i] = _mm512_setzero_si512();
+  for (int s = 0; s < 4; ++s) {
+    const __m512i packed = _mm512_loadu_si512(block + 64 * s);
+    const __m512i low = _mm512_and_si512(packed, nibble);
+    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    for (int i = 0; i < MB; ++i) {
+      int32_t first, second;
+      __builtin_memcpy(&first, xq[i] + 8 * s, 4);
+      __builtin_memcpy(&second, xq[i] + 8 * s + 4, 4);
+      sums[i] = _mm512_dpbusd_epi32(sums[i], low, _mm512_set1_epi32(first));
+      __m512i& other = kTwoSums ? high_sums[i] : sums[i];
+      other = _mm512_dpbusd_epi32(other, high, _mm512_set1_epi32(second));
+      keep_in_register(sums[i]);
+      if (kTwoSums) keep_in_register(high_sums[i]);
+    }
+  }
+  if (kTwoSums)
+    for (int i = 0; i < MB; ++i) sums[i] = _mm512_add_epi32(sums[i], high_sums[i]);
+}
+
+// Unsigned weights w + 128 against the signed inputs: each sum starts at -128 sum(q), exact in 32 bits.
+template <int MB>
+inline void block_sums(Q8_0Groups, const uint8_t* block, const int8_t* const* xq, const InputScale* scales,
+                       Sums* sums) {
+  constexpr bool kTwoSums = MB < 4;
+  __m512i odd_sums[MB];
+  for (int i = 0; i < MB; ++i) {
+    sums[i] = _mm512_set1_epi32(-128 * scales[i].sum);
+    odd_sums[i] = _mm512_setzero_si512();
+  }
+  for (int s = 0; s < 8; s += 2) {
+    const __m512i w0 = _mm512_loadu_si512(block + 64 * s);
+    const __m512i w1 = _mm512_loadu_si512(block + 64 * s + 64);
+    for (int i = 0; i < MB; ++i) {
+      int32_t four0, four1;
+      __builtin_memcpy(&four0, xq[i] + 4 * s, 4);
+      __builtin_memcpy(&four1, xq[i] + 4 * s + 4, 4);
+      sums[i] = _mm512_dpbusd_epi32(sums[i], w0, _mm512_set1_epi32(four0));
+      __m512i& other = kTwoSums ? odd_sums[i] : sums[i];
+      other = _mm512_dpbusd_epi32(other, w1, _mm512_set1_epi32(four1));
+      keep_in_register(sums[i]);
+      if (kTwoSums) keep_in_register(odd_sums[i]);
+    }
+  }
+  if (kTwoSums)
+    for (int i = 0; i < MB; ++i) sums[i] = _mm512_add_epi32(sums[i], odd_sums[i]);
+}
+
+inline Acc block_term(Sums sums, Acc d, float d_x, Acc acc) {  // acc + d_w d_x sum
+  return fmadd(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, broadcast(d_x)), acc);
+}
+
+#else
+using Sums = __m256i;
+using Acc = __m256;
+inline Acc zero_acc() { return _mm256_setzero_ps(); }
+inline void store_acc(float* y, Acc a) { _mm256_storeu_ps(y, a); }
+inline Acc load_halves(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline Acc broadcast(float f) { return _mm256_set1_ps(f); }
+inline Acc fmadd(Acc a, Acc b, Acc c) { return _mm256_fmadd_ps(a, b, c); }
 
 // Keeps a running sum where it is: with K known only at run time GCC 12 regroups a block's integer adds into trees
 // (integer addition reassociates freely) whose partial sums outlive the 16 vector registers, and the spills made
@@ -83,71 +176,12 @@ struct Q8_0Groups {
 // fixes the order of the adds; it emits nothing.
 inline void keep_in_register(__m256i& sum) { __asm__("" : "+x"(sum)); }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-// With AVX512-VNNI (Zen 4, Ice Lake and later; the ymm form) four products of unsigned bytes u and signed bytes s
-// add into each 32-bit lane in one vpdpbusd, where AVX2 takes vpmaddubsw, vpmaddwd and an add: the same integer
-// sums (neither saturates here). Its latency (~4 cycles) would set the pace of one running sum, so each input
-// row of a tile of up to four keeps two, added at the block's end (a tile of eight has eight already). The
-// steps' loops are written out apart from AVX2's: walked by one helper with a lambda per instruction set, GCC 12
-// spilled more of the tiles' sums (the Q4_1 eight-row tile's stack references 16 -> 54).
-#define SPECDECODE_VNNI 1
-
-template <int MB>
-inline void block_sums(Q4_1Groups, const uint8_t* block, const int8_t* const* xq, __m256i* sums) {
-  constexpr bool kTwoSums = MB < 8;  // eight rows are eight running sums already
-  const __m256i nibble = _mm256_set1_epi8(15);
-  __m256i high_sums[MB];
-  for (int i = 0; i < MB; ++i) sums[i] = high_sums[i] = _mm256_setzero_si256();
-  for (int s = 0; s < 4; ++s) {
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s));
-    const __m256i low = _mm256_and_si256(packed, nibble);
-    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-    for (int i = 0; i < MB; ++i) {
-      int32_t first, second;
-      __builtin_memcpy(&first, xq[i] + 8 * s, 4);
-      __builtin_memcpy(&second, xq[i] + 8 * s + 4, 4);
-      sums[i] = _mm256_dpbusd_epi32(sums[i], low, _mm256_set1_epi32(first));
-      __m256i& other = kTwoSums ? high_sums[i] : sums[i];
-      other = _mm256_dpbusd_epi32(other, high, _mm256_set1_epi32(second));
-      keep_in_register(sums[i]);
-      if (kTwoSums) keep_in_register(high_sums[i]);
-    }
-  }
-  if (kTwoSums)
-    for (int i = 0; i < MB; ++i) sums[i] = _mm256_add_epi32(sums[i], high_sums[i]);
-}
-
-template <int MB>
-inline void block_sums(Q8_0Groups, const uint8_t* block, const int8_t* const* xq, __m256i* sums) {
-  constexpr bool kTwoSums = MB < 8;
-  __m256i odd_sums[MB];
-  for (int i = 0; i < MB; ++i) sums[i] = odd_sums[i] = _mm256_setzero_si256();
-  for (int s = 0; s < 8; s += 2) {
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s + 32));
-    const __m256i magnitude0 = _mm256_sign_epi8(w0, w0), magnitude1 = _mm256_sign_epi8(w1, w1);
-    for (int i = 0; i < MB; ++i) {
-      int32_t four0, four1;
-      __builtin_memcpy(&four0, xq[i] + 4 * s, 4);
-      __builtin_memcpy(&four1, xq[i] + 4 * s + 4, 4);
-      sums[i] = _mm256_dpbusd_epi32(sums[i], magnitude0, _mm256_sign_epi8(_mm256_set1_epi32(four0), w0));
-      __m256i& other = kTwoSums ? odd_sums[i] : sums[i];
-      other = _mm256_dpbusd_epi32(other, magnitude1, _mm256_sign_epi8(_mm256_set1_epi32(four1), w1));
-      keep_in_register(sums[i]);
-      if (kTwoSums) keep_in_register(odd_sums[i]);
-    }
-  }
-  if (kTwoSums)
-    for (int i = 0; i < MB; ++i) sums[i] = _mm256_add_epi32(sums[i], odd_sums[i]);
-}
-
-#else
 // The eight rows' integer sums of one block against MB input rows, as 32-bit lanes (one per weight row).
 // Q4_1: 4-bit weights against 8-bit inputs, pair sums |.| <= 2 * 15 * 127 and eight of them per 16-bit lane
 // (< 2^15), widened once. Q8_0: signed by signed through vpmaddubsw's unsigned operand (|w| against the
 // inputs carrying w's sign, as llama.cpp does), pair sums up to 2 * 128 * 127: widened every step.
 template <int MB>
-inline void block_sums(Q4_1Groups, const uint8_t* block, const int8_t* const* xq, __m256i* sums) {
+inline void block_sums(Q4_1Groups, const uint8_t* block, const int8_t* const* xq, const InputScale*, Sums* sums) {
   const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256i wide[MB];
   for (int i = 0; i < MB; ++i) wide[i] = _mm256_setzero_si256();
@@ -168,7 +202,7 @@ inline void block_sums(Q4_1Groups, const uint8_t* block, const int8_t* const* xq
 }
 
 template <int MB>
-inline void block_sums(Q8_0Groups, const uint8_t* block, const int8_t* const* xq, __m256i* sums) {
+inline void block_sums(Q8_0Groups, const uint8_t* block, const int8_t* const* xq, const InputScale*, Sums* sums) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int i = 0; i < MB; ++i) sums[i] = _mm256_setzero_si256();
   for (int s = 0; s < 8; ++s) {
@@ -183,40 +217,48 @@ inline void block_sums(Q8_0Groups, const uint8_t* block, const int8_t* const* xq
     }
   }
 }
+
+inline Acc block_term(Sums sums, Acc d, float d_x, Acc acc) {  // acc + d_w d_x sum
+  return fmadd(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, broadcast(d_x)), acc);
+}
 #endif
 
-// A block's float32 terms into each input row's eight accumulators: d_w d_x sum, then (Q4_1) m_w s_x.
-inline __m256 block_terms(Q4_1Groups, const uint8_t* block, __m256i sums, InputScale scale, __m256 acc) {
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 128)));
-  const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 144)));
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(scale.d)), acc);
-  return _mm256_fmadd_ps(m, _mm256_set1_ps(scale.s), acc);
+// A block's float32 terms into the input rows' accumulators: d_w d_x sum, then (Q4_1) m_w s_x.
+template <int MB>
+inline void block_terms(Q4_1Groups, const uint8_t* block, const Sums* sums, const InputScale* scales, Acc* acc) {
+  const Acc d = load_halves(block + 16 * kQ8GroupRows), m = load_halves(block + 18 * kQ8GroupRows);
+  for (int i = 0; i < MB; ++i) acc[i] = fmadd(m, broadcast(scales[i].s), block_term(sums[i], d, scales[i].d, acc[i]));
 }
 
-inline __m256 block_terms(Q8_0Groups, const uint8_t* block, __m256i sums, InputScale scale, __m256 acc) {
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 256)));
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(scale.d)), acc);
+template <int MB>
+inline void block_terms(Q8_0Groups, const uint8_t* block, const Sums* sums, const InputScale* scales, Acc* acc) {
+  const Acc d = load_halves(block + 32 * kQ8GroupRows);
+  for (int i = 0; i < MB; ++i) acc[i] = block_term(sums[i], d, scales[i].d, acc[i]);
 }
 
-// Input rows m0 .. m0 + MB - 1 against the eight weight rows of group g: each output one float32 lane, its
-// blocks added in order.
+// Input rows m0 .. m0 + MB - 1 against the G weight rows of group g: each output one float32 lane, its blocks
+// added in order.
 template <int MB, typename Format>
 inline void group_tile(const int8_t* Xq, const InputScale* Xs, const uint8_t* P, float* Y, int64_t m0, int64_t g,
                        int64_t K, int64_t N) {
   const int64_t blocks = K / 32;
-  __m256 acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  Acc acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = zero_acc();
   const uint8_t* group = P + g * blocks * Format::kBytes;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = group + b * Format::kBytes;
     for (int64_t line = 0; line < Format::kBytes; line += 64) __builtin_prefetch(block + kPrefetchBytes + line);
     const int8_t* xq[MB];
-    for (int i = 0; i < MB; ++i) xq[i] = Xq + (m0 + i) * K + b * 32;
-    __m256i sums[MB];
-    block_sums<MB>(Format{}, block, xq, sums);
-    for (int i = 0; i < MB; ++i) acc[i] = block_terms(Format{}, block, sums[i], Xs[(m0 + i) * blocks + b], acc[i]);
+    InputScale scales[MB];
+    for (int i = 0; i < MB; ++i) {
+      xq[i] = Xq + (m0 + i) * K + b * 32;
+      scales[i] = Xs[(m0 + i) * blocks + b];
+    }
+    Sums sums[MB];
+    block_sums<MB>(Format{}, block, xq, scales, sums);
+    block_terms<MB>(Format{}, block, sums, scales, acc);
   }
-  for (int i = 0; i < MB; ++i) _mm256_storeu_ps(Y + (m0 + i) * N + g * kGroupRows, acc[i]);
+  for (int i = 0; i < MB; ++i) store_acc(Y + (m0 + i) * N + g * kQ8GroupRows, acc[i]);
 }
 
 #if defined(SPECDECODE_VNNI)
@@ -295,7 +337,7 @@ void q8_round_inputs(const float* x, int64_t M, int64_t K, Q8Inputs& in) {
 }
 
 void q8_rows_groups(const Q8Inputs& in, const torch::Tensor& w, float* y, int64_t g0, int64_t g1) {
-  const int64_t N = w.size(0) * kGroupRows;
+  const int64_t N = w.size(0) * kQ8GroupRows;
   const uint8_t* P = w.data_ptr<uint8_t>();
   if (w.size(2) == Q4_1Groups::kBytes)
     q8_groups_by_rows<Q4_1Groups>(in.q.data(), in.scales.data(), P, y, in.M, in.K, N, g0, g1);
@@ -303,12 +345,12 @@ void q8_rows_groups(const Q8Inputs& in, const torch::Tensor& w, float* y, int64_
     q8_groups_by_rows<Q8_0Groups>(in.q.data(), in.scales.data(), P, y, in.M, in.K, N, g0, g1);
 }
 
-// x float32 (M, K); w interleaved Q4_1 or Q8_0 groups (N / 8, K / 32, 160 or 272) uint8.
+// x float32 (M, K); w interleaved Q4_1 or Q8_0 groups (N / G, K / 32, 20 G or 34 G) uint8, G = kQ8GroupRows.
 torch::Tensor q8_rows_linear(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && q8_rows_weights(w) && x.size(1) == w.size(1) * 32,
-              "q8_rows_linear: float32 x (M, K), interleaved Q4_1 or Q8_0 groups w (N / 8, K / 32, 160 or 272)");
+              "q8_rows_linear: float32 x (M, K), interleaved Q4_1 or Q8_0 groups w (N / G, K / 32, 20 G or 34 G)");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * kGroupRows;
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * kQ8GroupRows;
   // The rounded inputs live in buffers of the calling thread, reused call after call: as two tensors a call they
   // were 240 of the ~400 tensor allocations of a one-token pass through the C++ layer loop.
   thread_local Q8Inputs buffers;
@@ -316,7 +358,7 @@ torch::Tensor q8_rows_linear(torch::Tensor x, torch::Tensor w) {
   q8_round_inputs(x.data_ptr<float>(), M, K, rounded);
   auto y = torch::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, N / kGroupRows, 8, [&](int64_t g0, int64_t g1) { q8_rows_groups(rounded, w, out, g0, g1); });
+  at::parallel_for(0, N / kQ8GroupRows, 8, [&](int64_t g0, int64_t g1) { q8_rows_groups(rounded, w, out, g0, g1); });
   return y;
 }
 
@@ -338,5 +380,6 @@ torch::Tensor q8_rows_linear(torch::Tensor, torch::Tensor) {
 
 TORCH_LIBRARY_FRAGMENT(specdecode, m) {
   m.def("q8_rows_available() -> bool", &q8_rows_available);
+  m.def("q8_group_rows() -> int", [] { return kQ8GroupRows; });
   m.def("q8_rows_linear(Tensor x, Tensor w) -> Tensor", &q8_rows_linear);
 }
