@@ -11,6 +11,7 @@ and k for its rotary layout). Found once per converted folder and cached inside 
 `*.safetensors`: vLLM loads every such file of a model folder as weights (and failed on the rows' widths).
 """
 
+import functools
 import json
 import os
 import re
@@ -136,6 +137,15 @@ def _decoder_name(tensor_name: str) -> str | None:
     return f"model.layers.{found[1]}.{_GGUF_TO_HF[found[2]]}.weight" if found and found[2] in _GGUF_TO_HF else None
 
 
+@functools.lru_cache(maxsize=2)
+def _tensors(gguf_path: Path) -> list:
+    """The GGUF's tensors (memory-mapped), parsed once per process: a folder's first load asks `holds_rows` and then
+    `gguf_rows`, and each parse takes ~2.6 s (the file's vocabulary is read too)."""
+    import gguf  # the conversion's own dependency; imported only when a folder's facts are first found
+
+    return list(gguf.GGUFReader(gguf_path).tensors)
+
+
 def holds_rows(source: str | Path | None) -> bool:
     """Whether the GGUF behind the converted folder `source` stores every decoder linear as Q4_1 or Q8_0 rows
     (the few-rows kernels can then stream those rows instead of float32 weights). The answer is kept in the
@@ -153,9 +163,7 @@ def holds_rows(source: str | Path | None) -> bool:
     gguf_path = Path(facts.get("gguf", ""))
     if not gguf_path.is_file():
         return False
-    import gguf
-
-    kinds = [t.tensor_type.name for t in gguf.GGUFReader(gguf_path).tensors if _decoder_name(t.name)]
+    kinds = [t.tensor_type.name for t in _tensors(gguf_path) if _decoder_name(t.name)]
     facts["holds_rows"] = bool(kinds) and all(kind in BLOCK_BYTES for kind in kinds)
     try:
         marker.write_text(json.dumps(facts))
@@ -183,10 +191,8 @@ def gguf_rows(source: str | Path | None, weights: dict[str, torch.Tensor]) -> di
     gguf_path = Path(json.loads((folder / SOURCE_MARKER).read_text()).get("gguf", ""))
     if not gguf_path.is_file():
         return {}
-    import gguf  # the conversion's own dependency; imported only when a cache is built
-
     rows = {}
-    for tensor in gguf.GGUFReader(gguf_path).tensors:
+    for tensor in _tensors(gguf_path):
         name = _decoder_name(tensor.name)
         if name is None and tensor.name in _HEAD and _HEAD[tensor.name] not in rows:
             name = _HEAD[tensor.name]  # an untied head's own, or the embedding
