@@ -1,7 +1,8 @@
 """How close the 8-bit-input kernel (`few-rows-q8`) comes to this CPU's int8 multiply throughput, by row count.
 
-Without AVX512-VNNI, 32 products of 8-bit numbers are one `vpmaddubsw`; with it, one `vpdpbusd` (the ymm form
-the kernel uses, accumulating too). A pass over k rows does k times the products of one, so once the weights
+Without AVX512-VNNI, 32 products of 8-bit numbers are one `vpmaddubsw`; with it, one `vpdpbusd` in its ymm form,
+accumulating too (the kernel uses the zmm form there since stop 62, 64 products an instruction; the shares below
+are of the ymm probe's rate). A pass over k rows does k times the products of one, so once the weights
 stream at the memory's speed (one row) each further row costs its products at the multiply ports' rate. This
 measures that rate with eight independent chains of the instruction the kernel uses (`vpmaddubsw` and the add
 that accumulates it, or `vpdpbusd`), the least a kernel does per 32 products (built here with the machine's

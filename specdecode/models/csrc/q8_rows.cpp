@@ -97,6 +97,8 @@ inline Acc load_halves(const uint8_t* p) {  // the group's G float16 at p
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline Acc broadcast(float f) { return _mm512_set1_ps(f); }
+inline Acc to_float(Sums s) { return _mm512_cvtepi32_ps(s); }
+inline Acc mul(Acc a, Acc b) { return _mm512_mul_ps(a, b); }
 inline Acc fmadd(Acc a, Acc b, Acc c) { return _mm512_fmadd_ps(a, b, c); }
 // Keeps a running sum in its register and its adds in order (the AVX2 one below says why); emits nothing.
 inline void keep_in_register(__m512i& sum) { __asm__("" : "+v"(sum)); }
@@ -154,10 +156,6 @@ inline void block_sums(Q8_0Groups, const uint8_t* block, const int8_t* const* xq
     for (int i = 0; i < MB; ++i) sums[i] = _mm512_add_epi32(sums[i], odd_sums[i]);
 }
 
-inline Acc block_term(Sums sums, Acc d, float d_x, Acc acc) {  // acc + d_w d_x sum
-  return fmadd(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, broadcast(d_x)), acc);
-}
-
 #else
 using Sums = __m256i;
 using Acc = __m256;
@@ -167,6 +165,8 @@ inline Acc load_halves(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline Acc broadcast(float f) { return _mm256_set1_ps(f); }
+inline Acc to_float(Sums s) { return _mm256_cvtepi32_ps(s); }
+inline Acc mul(Acc a, Acc b) { return _mm256_mul_ps(a, b); }
 inline Acc fmadd(Acc a, Acc b, Acc c) { return _mm256_fmadd_ps(a, b, c); }
 
 // Keeps a running sum where it is: with K known only at run time GCC 12 regroups a block's integer adds into trees
@@ -217,11 +217,11 @@ inline void block_sums(Q8_0Groups, const uint8_t* block, const int8_t* const* xq
     }
   }
 }
+#endif
 
 inline Acc block_term(Sums sums, Acc d, float d_x, Acc acc) {  // acc + d_w d_x sum
-  return fmadd(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, broadcast(d_x)), acc);
+  return fmadd(to_float(sums), mul(d, broadcast(d_x)), acc);
 }
-#endif
 
 // A block's float32 terms into the input rows' accumulators: d_w d_x sum, then (Q4_1) m_w s_x.
 template <int MB>
