@@ -35,6 +35,7 @@ from specdecode.models.linear import (
     pack_panels,
     panels_fit,
     plan_kernels,
+    q8_group_rows,
     same_bits_where_exact,
 )
 from specdecode.models.llama import Rows, unsupported_reason
@@ -438,7 +439,7 @@ def test_a_drafter_s_weights_round_to_q8_0_rows_that_every_kernel_reads_alike():
     """`quantize_q8_0` rounds each weight to the nearest multiple of its block's float16 scale (max |w| / 127), and
     rounding the result again changes nothing; a drafter frozen for 8-bit inputs keeps those rows beside the
     float32 weights they stand for (so its float32 kernels multiply the same weights), except where a matrix's
-    rows do not fill groups of eight."""
+    rows do not fill the 8-bit-input kernel's groups."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(24, 96, generator=g) * 0.1
     weight[3, 32:64] = 0  # an all-zero block: scale 0, weights 0
@@ -448,11 +449,15 @@ def test_a_drafter_s_weights_round_to_q8_0_rows_that_every_kernel_reads_alike():
     rounded = dequantize(blocks, 96)
     assert torch.all((rounded - weight).abs().view(24, 3, 32) <= scales / 2 * (1 + 1e-3) + 1e-12)
     assert torch.equal(dequantize(quantize_q8_0(rounded), 96), rounded) and not rounded[3, 32:64].any()
-    module = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 12, bias=False))
+    module = torch.nn.Sequential(
+        torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 12, bias=False), torch.nn.Linear(32, 24, bias=False)
+    )
     freeze_linears(module, "test-q8-drafter", kernel="stock", eight_bit_inputs=True, rows="Q8_0")
-    rows, odd = (m.linear for m in module if isinstance(m, FrozenLinear))
+    rows, odd, half = (m.linear for m in module if isinstance(m, FrozenLinear))
     assert rows.blocks.shape == (32, 2 * 34)
     assert torch.equal(dequantize(rows.blocks, 64), rows.weight) and odd.blocks is None  # 12 rows: not whole groups
+    # 24 rows fill groups of eight (AVX2), not of sixteen (AVX512-VNNI), where they would keep float32 inputs
+    assert (half.blocks is not None) == (q8_group_rows() == 8)
 
 
 def test_a_drafter_s_weights_round_to_q4_1_rows_by_default():

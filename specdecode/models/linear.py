@@ -62,6 +62,13 @@ def kernels_digest() -> str:
 
 
 @functools.cache
+def q8_group_rows() -> int:
+    """Weight rows in one interleaved group of the 8-bit-input kernel: 16 where it was built for AVX512-VNNI, else
+    8. A matrix whose rows do not fill whole groups keeps float32 inputs, so a drafter's is not rounded to GGUF rows
+    for nothing."""
+    return torch.ops.specdecode.q8_group_rows() if cpu_kernels_available() else 8
+
+
 def cpu_kernels_available() -> bool:
     """Build (once per machine, cached on disk) and load the runner's C++ kernels; False where that fails."""
     if hasattr(torch.ops.specdecode, "cached_attention"):
@@ -215,7 +222,7 @@ class Linear:
         keeps its GGUF rows and float32 inputs)."""
         if kernel == EIGHT_BIT_INPUTS and self.blocks is not None:
             if self._interleaved is None:
-                interleaved = interleave(self.blocks, self.weight.shape[1], torch.ops.specdecode.q8_group_rows())
+                interleaved = interleave(self.blocks, self.weight.shape[1], q8_group_rows())
                 self._interleaved = self.blocks if interleaved is None else interleaved
             return self._interleaved
         return self.blocks if kernel == "few-rows-gguf" and self.blocks is not None else self.kernel_weight
@@ -323,7 +330,8 @@ def freeze_linears(
     for _, _, child in found:
         weight, bias = child.weight.detach().to(dtype), None if child.bias is None else child.bias.detach().to(dtype)
         blocks = None
-        if eight_bit_inputs and dtype == torch.float32 and weight.shape[1] % 32 == 0 and weight.shape[0] % 8 == 0:
+        fills = weight.shape[1] % 32 == 0 and weight.shape[0] % q8_group_rows() == 0  # else float32 inputs
+        if eight_bit_inputs and dtype == torch.float32 and fills:
             blocks = ROUNDINGS[rows](weight)
             weight = dequantize(blocks, weight.shape[1])  # every kernel then multiplies the same weights
         linears.append(Linear(weight, bias, blocks))
