@@ -327,3 +327,18 @@ def test_a_vllm_server_that_cannot_start_says_why(tmp_path):
     assert server.command[server.command.index("--dtype") + 1] == "bfloat16"
     with pytest.raises(SpecDecodeError, match="No module named 'vllm'"):
         server.start()
+
+
+def test_serving_levels_send_fresh_prompts_or_their_drafters_forget():
+    """Each level sends the next prompts in file order; a level that wraps around to prompts an earlier level sent
+    is flagged, and the bench then clears the drafters' index of earlier answers (else suffix decoding copies them:
+    accepted lengths of 8-10 at T = 0)."""
+    from specdecode.evaluation.serving_bench import level_prompt_ids
+
+    plans = [level_prompt_ids(k, 24, 80) for k in range(4)]
+    assert [ids[0] for ids, _ in plans] == [0, 24, 48, 72] and plans[3][0][8:] == list(range(16))
+    assert [repeats for _, repeats in plans] == [False, False, False, True]
+    sent = [set(ids) for ids, _ in plans]
+    for k, (_, repeats) in enumerate(plans):
+        assert repeats == any(sent[k] & sent[j] for j in range(k))
+    assert not level_prompt_ids(3, 20, 80)[1] and level_prompt_ids(4, 20, 80)[1]

@@ -138,6 +138,15 @@ def summarize(timings: list[RequestTiming], wall_s: float, clients: int) -> dict
     }
 
 
+def level_prompt_ids(k: int, requests: int, prompts: int) -> tuple[list[int], bool]:
+    """The benchmark's prompts that level k sends (the same for every configuration), and whether an earlier level
+    sent some of them. Each level takes the next `requests` in file order, so that a drafter that indexes earlier
+    outputs (suffix decoding's global index) is not handed answers it has already seen; past the benchmark's end
+    they wrap around to its start, and the drafters forget the earlier levels' answers first (before stop 63 they
+    did not: at 4 levels of 24 MT-Bench requests the last level's suffix drafts were accepted 8-10 at a time)."""
+    return [(k * requests + i) % prompts for i in range(requests)], (k + 1) * requests > prompts
+
+
 def _configurations(target: Target, drafter_spec: str | None) -> list[tuple[str, Drafter, str, bool]]:
     """(label, drafter, scheduler, gate): normal decoding, the drafter fixed, with the prefix scheduler and
     its drafting gate, and without the gate; each configuration gets a drafter of its own (nothing learned
@@ -229,18 +238,15 @@ def run_serving_bench(
             "concurrency levels, requests, max_tokens, the time limit and repeats must all be positive"
         )
     prompts = [item.turns[0] for item in load_benchmark(benchmark)]
-
-    def level_prompts(k: int) -> list[str]:
-        """Level k's own prompts (the same for every configuration): a drafter that indexes earlier outputs
-        (suffix decoding's global index) must not be handed answers it has already seen."""
-        return [prompts[(k * requests + i) % len(prompts)] for i in range(requests)]
+    if requests > len(prompts):
+        raise SpecDecodeError(f"{benchmark} has {len(prompts)} prompts: at most that many requests per level")
 
     def load(url: str, k: int, clients: int) -> dict:
         """Level k's load, and the cores other processes used meanwhile (a shared machine's noise, recorded)."""
         with ForeignLoad() as foreign:
-            level = asyncio.run(
-                run_level(url, target.name, level_prompts(k), clients, requests, max_tokens, time_limit_s)
-            )
+            ids, _ = level_prompt_ids(k, requests, len(prompts))
+            sent = [prompts[i] for i in ids]
+            level = asyncio.run(run_level(url, target.name, sent, clients, requests, max_tokens, time_limit_s))
         return {**level, "foreign_load_cores": round(foreign.cores, 3)}
 
     def load_through(server: BackgroundServer, k: int, clients: int) -> dict:
@@ -253,6 +259,8 @@ def run_serving_bench(
         configurations = _configurations(target, drafter_spec)
         for k, clients in enumerate(concurrencies):
             for label, drafter, scheduler, gate in configurations:
+                if level_prompt_ids(k, requests, len(prompts))[1]:
+                    drafter.forget()
                 length = draft_length if label != "none" else 0
                 config = EngineConfig(max(concurrencies), max_len, length, scheduler, gate=gate)
                 engine = ContinuousEngine(target, drafter, config)
