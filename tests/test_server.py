@@ -296,6 +296,11 @@ def test_serving_medians_take_each_sweeps_own_ratio():
     assert rows["dspark"]["output_tokens_per_s"] == 90.0 and rows["dspark"]["relative_to_normal"] == 1.2
     assert rows["none"]["output_tokens_per_s"] == 80.0 and rows["none"]["relative_to_normal"] == 1.0
     assert rows["dspark"]["sweeps"] == 3 and rows["dspark"]["requests"] == 12 and "repeat" not in rows["dspark"]
+    # one sweep of two levels at the same number of clients (other prompts): two sweeps of that load
+    levels = [dict(run, repeat=0, level=run["repeat"]) for run in runs[:4]]
+    rows = {r["configuration"]: r for r in median_rows(levels)}
+    assert rows["dspark"]["sweeps"] == 2 and rows["dspark"]["relative_to_normal"] == 1.05
+    assert "level" not in rows["dspark"]
 
 
 def test_openapi_documents_both_endpoints_and_responses_match_it(server):

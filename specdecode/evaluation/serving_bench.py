@@ -280,6 +280,7 @@ def run_serving_bench(
                         "draft_length": config.draft_length,
                         "tree": None,
                         "repeat": repeat,
+                        "level": k,
                         **level,
                     }
                 )
@@ -310,13 +311,14 @@ def run_serving_bench(
                             "draft_length": 4 if speculative == "ngram" else 0,
                             "tree": None,
                             "repeat": repeat,
+                            "level": k,
                             **level,
                         }
                     )
                     print(f"[serving] {label:16s} c={clients:3d} {level['output_tokens_per_s']:8.1f} tok/s", flush=True)
-    normal = {(r["repeat"], r["concurrency"]): r["output_tokens_per_s"] for r in runs if r["configuration"] == "none"}
+    normal = {(r["repeat"], r["level"]): r["output_tokens_per_s"] for r in runs if r["configuration"] == "none"}
     for r in runs:
-        base = normal.get((r["repeat"], r["concurrency"]))
+        base = normal.get((r["repeat"], r["level"]))
         r["relative_to_normal"] = round(r["output_tokens_per_s"] / base, 3) if base else None
     medians = median_rows(runs)
     order = list(dict.fromkeys(r["configuration"] for r in runs))
@@ -352,13 +354,14 @@ def run_serving_bench(
 
 def median_rows(runs: list[dict]) -> list[dict]:
     """One row per (configuration, clients): every number that differs between sweeps is its median over them
-    (x normal: the median of each sweep's own ratio), and `sweeps` says how many there were."""
+    (x normal: the median of each sweep's own ratio), and `sweeps` says how many there were. Levels that repeat a
+    number of clients (`--concurrency 16,16,16`: the same load on other prompts) count as more sweeps of it."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         groups.setdefault((r["configuration"], r["concurrency"]), []).append(r)
     rows = []
     for group in groups.values():
-        row = {key: value for key, value in group[0].items() if key != "repeat"} | {"sweeps": len(group)}
+        row = {key: value for key, value in group[0].items() if key not in ("repeat", "level")} | {"sweeps": len(group)}
         for key, value in group[0].items():
             values = [g[key] for g in group if g.get(key) is not None]
             if key in row and isinstance(value, int | float) and not isinstance(value, bool) and len(set(values)) > 1:
