@@ -61,7 +61,6 @@ def kernels_digest() -> str:
     return stable_digest([s.read_text() for s in sources] + [machine_key(), torch.__version__])
 
 
-@functools.cache
 def q8_group_rows() -> int:
     """Weight rows in one interleaved group of the 8-bit-input kernel: 16 where it was built for AVX512-VNNI, else
     8. A matrix whose rows do not fill whole groups keeps float32 inputs, so a drafter's is not rounded to GGUF rows
@@ -69,6 +68,7 @@ def q8_group_rows() -> int:
     return torch.ops.specdecode.q8_group_rows() if cpu_kernels_available() else 8
 
 
+@functools.cache
 def cpu_kernels_available() -> bool:
     """Build (once per machine, cached on disk) and load the runner's C++ kernels; False where that fails."""
     if hasattr(torch.ops.specdecode, "cached_attention"):
