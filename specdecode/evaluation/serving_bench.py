@@ -5,7 +5,8 @@ scheduler and its drafting gate (the default); and the prefix scheduler without 
 concurrency level, every configuration in turn gets a fresh engine behind an in-process server on a free
 127.0.0.1 port (interleaved, so a slow phase of the shared machine hits every configuration alike), and that
 many clients send streamed chat requests (temperature 0, prompts from a benchmark, in file order) until the
-level's request budget or time limit runs out. Each configuration keeps its own drafter from level to level.
+level's request budget or time limit runs out. Each configuration keeps its own drafter from level to level,
+and each level sends prompts of its own (`level_prompt_ids`).
 Client-side measurements:
 - throughput: completion tokens of the level / its wall time; per-user: each request's tokens / its time;
 - TTFT: request sent -> first content chunk; ITL: gaps between content chunks. A speculative round can
