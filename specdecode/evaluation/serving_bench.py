@@ -338,8 +338,9 @@ def run_serving_bench(
         "time_limit_s": time_limit_s,
         "max_len": max_len,
     }
-    if repeats > 1:
-        rows.append(f"\nMedians of {repeats} interleaved sweeps (every sweep's rows are in the JSON).")
+    sweeps = "/".join(str(n) for n in sorted({r["sweeps"] for r in medians}))
+    if sweeps != "1":  # repeats, and levels at a number of clients given more than once
+        rows.append(f"\nMedians of {sweeps} interleaved sweeps a row (every sweep's rows are in the JSON).")
     foreign = [r["foreign_load_cores"] for r in runs]
     rows.append(
         f"\nCores used by other processes during a level: median {statistics.median(foreign):.2f}, "
