@@ -241,12 +241,12 @@ def run_serving_bench(
     prompts = [item.turns[0] for item in load_benchmark(benchmark)]
     if requests > len(prompts):
         raise SpecDecodeError(f"{benchmark} has {len(prompts)} prompts: at most that many requests per level")
+    plans = [level_prompt_ids(k, requests, len(prompts)) for k in range(len(concurrencies))]
 
     def load(url: str, k: int, clients: int) -> dict:
         """Level k's load, and the cores other processes used meanwhile (a shared machine's noise, recorded)."""
         with ForeignLoad() as foreign:
-            ids, _ = level_prompt_ids(k, requests, len(prompts))
-            sent = [prompts[i] for i in ids]
+            sent = [prompts[i] for i in plans[k][0]]
             level = asyncio.run(run_level(url, target.name, sent, clients, requests, max_tokens, time_limit_s))
         return {**level, "foreign_load_cores": round(foreign.cores, 3)}
 
@@ -260,7 +260,7 @@ def run_serving_bench(
         configurations = _configurations(target, drafter_spec)
         for k, clients in enumerate(concurrencies):
             for label, drafter, scheduler, gate in configurations:
-                if level_prompt_ids(k, requests, len(prompts))[1]:
+                if plans[k][1]:  # the level re-sends earlier levels' prompts
                     drafter.forget()
                 length = draft_length if label != "none" else 0
                 config = EngineConfig(max(concurrencies), max_len, length, scheduler, gate=gate)
@@ -338,9 +338,10 @@ def run_serving_bench(
         "time_limit_s": time_limit_s,
         "max_len": max_len,
     }
-    sweeps = "/".join(str(n) for n in sorted({r["sweeps"] for r in medians}))
-    if sweeps != "1":  # repeats, and levels at a number of clients given more than once
-        rows.append(f"\nMedians of {sweeps} interleaved sweeps a row (every sweep's rows are in the JSON).")
+    sweeps = sorted({r["sweeps"] for r in medians})  # repeats, and levels at a number of clients given more than once
+    if sweeps != [1]:
+        counts = "/".join(map(str, sweeps))
+        rows.append(f"\nMedians of {counts} interleaved sweeps a row (every sweep's rows are in the JSON).")
     foreign = [r["foreign_load_cores"] for r in runs]
     rows.append(
         f"\nCores used by other processes during a level: median {statistics.median(foreign):.2f}, "
