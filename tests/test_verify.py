@@ -359,3 +359,27 @@ def test_the_cpp_sampler_draws_what_the_aten_ops_draw(monkeypatch):
     edges[1], edges[SAMPLE_BLOCK + 2] = 1.0, 0.5  # the last block ends in zeros
     assert torch.ops.specdecode.sample_index(edges, 0.0) == 1
     assert torch.ops.specdecode.sample_index(edges, math.nextafter(1.0, 0.0)) == SAMPLE_BLOCK + 2
+
+
+def test_the_cpp_argmax_picks_what_torch_argmax_picks():
+    """Greedy decoding and verification read each row's argmax from the C++ pass: it must be torch's, the first
+    of equal largest logits and the first NaN, over rows shorter and longer than its eight lanes."""
+    assert sampling.cpu_kernels_available()
+    g = torch.Generator().manual_seed(7)
+    nan, inf = float("nan"), float("inf")
+    with_nans = torch.randn(4, 1000, generator=g)
+    with_nans[1, 997], with_nans[2, 5], with_nans[2, 900] = nan, nan, nan
+    cases = [
+        torch.randn(5, 49152, generator=g),
+        torch.randn(2, 3, 100, generator=g),
+        torch.randn(3, 7, generator=g),
+        torch.randn(2, 1, generator=g),
+        torch.randint(0, 3, (6, 1000), generator=g).float(),  # ties everywhere
+        torch.randint(0, 2, (6, 33), generator=g).float() * -inf,
+        torch.full((2, 19), -inf),
+        torch.tensor([[1.0, inf, nan, inf, 0, 0, 0, 0, 0, 0, 0]]),
+        with_nans,
+    ]
+    for logits in cases:
+        assert torch.equal(sampling.greedy_tokens(logits), logits.argmax(-1)), logits
+    assert torch.equal(sampling.greedy_tokens(cases[0].bfloat16()), cases[0].bfloat16().argmax(-1))  # ATen's

@@ -1,9 +1,11 @@
 """A sampled step's own work, p = softmax(z / t) over SmolLM2's 49,152 tokens and one token drawn from it, on the
 C++ kernels of csrc/sampling.cpp (stop 56) against the ATen ops they replaced (the division, ATen's softmax and
-`sample`'s two-level CDF), in one process: R rows of logits from a target pass over R positions right before each
-measurement (as in decoding, where the pass has just filled the caches), the two paths alternating.
+`sample`'s two-level CDF); at `--temperature 0` a greedy step's, each row's argmax (stop 64); in one process:
+R rows of logits from a target pass over R positions right before each measurement (as in decoding, where the
+pass has just filled the caches), the two paths alternating.
 
     python tools/sampling_ab.py --name sampling_ab
+    python tools/sampling_ab.py --temperature 0 --rows 1,8,16,64 --name greedy_ab
 """
 
 import argparse
@@ -46,9 +48,11 @@ def main() -> None:
                     target.rollback(context)
                     sampling.cpu_kernels_available = kernels if path == PATHS[0] else lambda: False
                     start = time.perf_counter()
-                    p = sampling.probabilities(logits, params)
-                    for row in p:
-                        sampling.sample(row, generator)
+                    if params.greedy:  # greedy decoding and verification read the argmax alone
+                        sampling.greedy_tokens(logits)
+                    else:
+                        for row in sampling.probabilities(logits, params):
+                            sampling.sample(row, generator)
                     if repetition >= 5:
                         ms[path].append((time.perf_counter() - start) * 1000)
                     sampling.cpu_kernels_available = kernels
@@ -57,12 +61,15 @@ def main() -> None:
                 runs.append({"rows": rows, "path": path, "ms": round(median, 4), "repeats": args.repeats,
                              "temperature": args.temperature})  # fmt: skip
                 lines.append(f"| {rows} | {path} | {median:.3f} | {median / rows:.3f} |")
+    work = (
+        "The argmax of R rows of logits (T = 0)"
+        if params.greedy
+        else (f"p over R rows of logits (T = {args.temperature:g}) and a token drawn from each")
+    )
     table = (
-        f"p over R rows of logits (T = {args.temperature:g}) and a token drawn from each, right after a target pass "
-        f"over R positions; medians of {args.repeats} repetitions, the paths alternating. Cores used by other "
-        f"processes: at most {load.cores:.2f}.\n\n| rows | path | ms | ms a row |\n|---:|---|---:|---:|\n"
-        + "\n".join(lines)
-        + "\n"
+        f"{work}, right after a target pass over R positions; medians of {args.repeats} repetitions, the paths "
+        f"alternating. Cores used by other processes: at most {load.cores:.2f}.\n\n"
+        "| rows | path | ms | ms a row |\n|---:|---|---:|---:|\n" + "\n".join(lines) + "\n"
     )
     write_results(args.name, args.out, target.name, runs, table, foreign_load_cores_max=round(load.cores, 3))
     print(table)

@@ -27,7 +27,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.llama import Output, Rows
 from specdecode.models.sps import DEFAULT_SIZES, StepCostTable, load_or_profile
 from specdecode.models.target import Target
-from specdecode.sampling import SamplingParams, probabilities
+from specdecode.sampling import SamplingParams, greedy_tokens, probabilities
 from specdecode.verify import ChainResult, verify_block, verify_greedy
 
 
@@ -129,7 +129,7 @@ def verify_batch(batched: BatchedTarget, rows: list[VerifyRow]) -> list[RowResul
     starts = [batched.length(row.slot) for row in rows]
     inputs = [torch.cat([torch.tensor([row.last_token]), row.proposal.tokens]) for row in rows]
     out = batched.forward([row.slot for row in rows], inputs)
-    argmax = out.logits.argmax(-1).cpu() if any(row.params.greedy for row in rows) else None
+    argmax = greedy_tokens(out.logits).cpu() if any(row.params.greedy for row in rows) else None
     target_probs = {}  # row -> p of its positions, computed once per group of rows that sample alike
     for params in {row.params for row in rows if not row.params.greedy}:
         group = [r for r, row in enumerate(rows) if row.params == params]

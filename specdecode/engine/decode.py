@@ -20,7 +20,7 @@ from specdecode.engine.stats import DecodeStats
 from specdecode.errors import SpecDecodeError
 from specdecode.models.sps import profile_target
 from specdecode.models.target import Target
-from specdecode.sampling import SamplingParams, probabilities
+from specdecode.sampling import SamplingParams, greedy_tokens, probabilities
 from specdecode.verify import ChainResult, verify_block, verify_greedy, verify_tree, verify_tree_greedy
 
 
@@ -189,7 +189,7 @@ class SpeculativeDecoder:
             torch.cat([torch.tensor(ids[-1:]), proposal.tokens]), position_ids=positions, attention_mask=mask
         )
         if params.greedy:
-            argmax = out.logits.argmax(-1).cpu()
+            argmax = greedy_tokens(out.logits).cpu()
             result = verify_tree_greedy(argmax, proposal) if tree else verify_greedy(argmax, proposal.tokens)
         elif tree:
             result = verify_tree(probabilities(out.logits, params).cpu(), proposal, generator)
