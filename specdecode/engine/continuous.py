@@ -369,16 +369,17 @@ class ContinuousEngine:
         draft_s = time.perf_counter() - t0
         for s in self._running:
             s.stats.draft_s += draft_s  # every request waits for the whole batch's drafting
-        # an empty proposal carries no confidences; `fixed` ignores them and has_confidences() covers the rest
-        confidences = [p.confidences if p.confidences is not None else torch.ones(p.length) for p in proposals]
-        lengths = schedule(
-            self.config.scheduler,
-            confidences,
-            [p.length for p in proposals],
-            self.gate.step_rate(sum(drafting)) if gated else self.steps_per_s,
-            self.config.threshold,
-        )
-        proposals = [p.prefix(n) for p, n in zip(proposals, lengths, strict=True)]
+        if any(p.length for p in proposals):  # a step the gate kept from drafting has nothing to schedule
+            # an empty proposal carries no confidences; `fixed` ignores them and has_confidences() covers the rest
+            confidences = [p.confidences if p.confidences is not None else torch.ones(p.length) for p in proposals]
+            lengths = schedule(
+                self.config.scheduler,
+                confidences,
+                [p.length for p in proposals],
+                self.gate.step_rate(sum(drafting)) if gated else self.steps_per_s,
+                self.config.threshold,
+            )
+            proposals = [p.prefix(n) for p, n in zip(proposals, lengths, strict=True)]
         for s, p in zip(self._running, proposals, strict=True):
             s.drafter.scheduled(p.length)
         rows = [
