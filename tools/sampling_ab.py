@@ -64,7 +64,7 @@ def main() -> None:
     work = (
         "The argmax of R rows of logits (T = 0)"
         if params.greedy
-        else (f"p over R rows of logits (T = {args.temperature:g}) and a token drawn from each")
+        else f"p over R rows of logits (T = {args.temperature:g}) and a token drawn from each"
     )
     table = (
         f"{work}, right after a target pass over R positions; medians of {args.repeats} repetitions, the paths "
