@@ -51,7 +51,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         if params.top_p < 1:
             kept = _nucleus(kept, params.top_p)
         return torch.zeros_like(logits).scatter_(-1, order, kept.softmax(-1))
-    if params.top_p == 1 and _cpp_takes(logits):
+    if params.top_p == 1 and cpp_takes(logits):
         return torch.ops.specdecode.tempered_softmax(logits, params.temperature)  # one C++ pass (csrc/sampling.cpp)
     logits = logits / params.temperature
     if params.top_p < 1:
@@ -60,7 +60,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def _cpp_takes(values: torch.Tensor) -> bool:
+def cpp_takes(values: torch.Tensor) -> bool:
     """Whether csrc/sampling.cpp's passes take these values: float32 on the CPU, where the kernels built."""
     return values.dtype == torch.float32 and values.device.type == "cpu" and cpu_kernels_available()
 
@@ -69,7 +69,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax over the last dimension, as `torch.argmax` picks it (the first of equal logits). On CPU
     float32 logits one C++ pass (csrc/sampling.cpp): ATen's argmax took 87 us a 49k-entry row on a 2-core EPYC,
     ~1.5% of a one-token step and ~3% of a verify pass over 8 positions at temperature 0."""
-    if _cpp_takes(logits):
+    if cpp_takes(logits):
         return torch.ops.specdecode.greedy_tokens(logits)
     return logits.argmax(-1)
 
@@ -95,7 +95,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int
     ms right after a target pass, a few percent of a sampled step. A zero-weight token is never drawn: its CDF
     step is empty."""
     u = float(torch.rand((), dtype=torch.float64, generator=generator))
-    if _cpp_takes(probs):
+    if cpp_takes(probs):
         return torch.ops.specdecode.sample_index(probs, u)
     n = probs.numel()
     blocks = -(-n // SAMPLE_BLOCK)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters.base import TreeProposal
-from specdecode.sampling import sample, sample_weights
+from specdecode.sampling import cpp_takes, sample, sample_weights
 
 SAMPLED_CHAIN_RULE = "block verification"  # what decides kept drafts at T > 0 (recorded rounds depend on it)
 
@@ -153,6 +153,11 @@ def verify_block(
     drafts = draft_tokens.tolist()
     if not drafts:  # normal sampling (and every row of a batch that drafted nothing): no draw of tau to pay for
         return ChainResult(tokens=[sample(target_probs[0], generator)], num_accepted=0)
+    if cpp_takes(target_probs) and (draft_probs is None or cpp_takes(draft_probs)):
+        # the same steps in one C++ call (csrc/sampling.cpp `block_verify`), the same two uniforms in the same order
+        u_tau, u_token = (float(torch.rand((), dtype=torch.float64, generator=generator)) for _ in range(2))
+        tau, token = torch.ops.specdecode.block_verify(target_probs, draft_tokens, draft_probs, support, u_tau, u_token)
+        return ChainResult(tokens=drafts[:tau] + [token], num_accepted=tau)
     weights, stops = block_acceptance(target_probs, draft_tokens, draft_probs, support)
     tau = sample_weights(stops, generator)
     if tau == len(drafts):

@@ -87,8 +87,9 @@ SETTINGS = [
 
 @pytest.mark.parametrize("sampled_drafts", [True, False], ids=["sampled-q", "deterministic-q"])
 @pytest.mark.parametrize("params", SETTINGS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
-def test_chain_output_follows_target_distribution(params, sampled_drafts):
-    """Speculative sampling of 3 tokens matches p exactly (chi-square), with top-k/top-p on and off."""
+def test_chain_output_follows_target_distribution(params, sampled_drafts, sampler):
+    """Speculative sampling of 3 tokens matches p exactly (chi-square), with top-k/top-p on and off, with block
+    verification in one C++ call and on the ATen ops."""
     p_logits, q_logits = markov_chain(seed=1)
     p = probabilities(p_logits, params)
     q = q_logits.softmax(-1)  # the drafter need not share the target's filters
@@ -97,9 +98,10 @@ def test_chain_output_follows_target_distribution(params, sampled_drafts):
     assert chi_square_pvalue(counts, exact_three_tokens(p), n) > 1e-3
 
 
-def test_draft_vocabulary_q_follows_target_distribution():
+def test_draft_vocabulary_q_follows_target_distribution(sampler):
     """q over 4 of the 6 tokens, handed over as (k, 4) with its support (the target's other tokens are never
-    drafted but must still come out at p's rate, through the residual): speculative sampling matches p."""
+    drafted but must still come out at p's rate, through the residual): speculative sampling matches p, in C++ and
+    on the ATen ops."""
     p_logits, q_logits = markov_chain(seed=1)
     p = probabilities(p_logits, SETTINGS[0])
     support = torch.tensor([0, 2, 3, 5])
@@ -359,6 +361,46 @@ def test_the_cpp_sampler_draws_what_the_aten_ops_draw(monkeypatch):
     edges[1], edges[SAMPLE_BLOCK + 2] = 1.0, 0.5  # the last block ends in zeros
     assert torch.ops.specdecode.sample_index(edges, 0.0) == 1
     assert torch.ops.specdecode.sample_index(edges, math.nextafter(1.0, 0.0)) == SAMPLE_BLOCK + 2
+
+
+def test_cpp_block_verification_keeps_and_draws_what_the_aten_ops_do(monkeypatch):
+    """`verify_block` on CPU float32 probabilities runs in one C++ call (csrc/sampling.cpp `block_verify`): with the
+    same two uniform numbers it keeps the same drafts and draws the same token as the ATen steps, over one-hot and
+    sampled q, q over the whole vocabulary or a draft vocabulary (its support), q zero at a draft, p zero at a draft
+    and p zero at the residual's tokens, sharp and flat (they add masses in other orders: an outcome could differ
+    only where a number falls within rounding of a step)."""
+    assert sampling.cpu_kernels_available()
+    g = torch.Generator().manual_seed(9)
+    cases = []
+    for i in range(600):
+        vocab = int(torch.randint(2, 400, (), generator=g)) if i % 10 else 49152
+        k = int(torch.randint(1, 8, (), generator=g))
+        sharpness = float(torch.rand((), generator=g)) * 6
+        p = (torch.randn(k + 1, vocab, generator=g) * sharpness).softmax(-1)
+        if i % 7 == 0:
+            p[:, : vocab // 2] = 0  # whole regions of p at zero
+            p = p / p.sum(-1, keepdim=True)
+        q = support = None
+        drafts = torch.randint(0, vocab, (k,), generator=g)
+        if i % 3:
+            size = int(torch.randint(1, vocab + 1, (), generator=g))
+            support = torch.randperm(vocab, generator=g)[:size].sort().values
+            q = (torch.randn(k, len(support), generator=g) * sharpness).softmax(-1)
+            columns = torch.multinomial(q, 1, generator=g)[:, 0]
+            if i % 11 == 0:
+                q[0, columns[0]] = 0  # a draft q gave no mass: w drops to 0
+            drafts = support[columns]
+            if i % 2:  # the same q spread over the whole vocabulary
+                q, support = torch.zeros(k, vocab).index_copy_(1, support, q), None
+        cases.append((p, drafts, q, support, int(torch.randint(0, 2**31, (), generator=g))))
+
+    def results() -> list[ChainResult]:
+        return [verify_block(p, d, q, torch.Generator().manual_seed(seed), s) for p, d, q, s, seed in cases]
+
+    in_cpp = results()
+    monkeypatch.setattr(sampling, "cpu_kernels_available", lambda: False)
+    assert in_cpp == results()
+    assert {r.num_accepted for r in in_cpp} >= set(range(7))  # every kept count from 0 to 6 happened
 
 
 def test_the_cpp_argmax_picks_what_torch_argmax_picks():
