@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--out", default="docs/results")
     parser.add_argument("--name", default="sampling_ab")
     args = parser.parse_args()
+    if args.block and min(args.rows) < 2:
+        parser.error("--block verifies R - 1 drafts: every --rows must be at least 2")
     target = Target.load()
     generator = torch.Generator().manual_seed(0)
     context = 128
@@ -45,9 +47,10 @@ def main() -> None:
     with ForeignLoad() as load:
         for rows in args.rows:
             ids = torch.randint(100, target.vocab_size, (rows,), generator=generator)
-            support = torch.randperm(target.vocab_size, generator=generator)[:8192].sort().values
-            q = (torch.randn(rows - 1, len(support), generator=generator) * 3).softmax(-1)
-            drafts = support[torch.multinomial(q, 1, generator=generator)[:, 0]] if rows > 1 else None
+            if args.block:  # R - 1 drafts drawn from a random q over a draft vocabulary
+                support = torch.randperm(target.vocab_size, generator=generator)[:8192].sort().values
+                q = (torch.randn(rows - 1, len(support), generator=generator) * 3).softmax(-1)
+                drafts = support[torch.multinomial(q, 1, generator=generator)[:, 0]]
             ms = {path: [] for path in PATHS}
             for repetition in range(args.repeats + 5):
                 for path in PATHS:
