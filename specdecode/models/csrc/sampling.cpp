@@ -217,9 +217,9 @@ std::tuple<int64_t, int64_t> block_verify(torch::Tensor target_probs, torch::Ten
   int64_t N = V;
   if (draft_probs) {
     q_rows = draft_probs->contiguous();
-    N = q_rows.size(-1);
     TORCH_CHECK(q_rows.dim() == 2 && q_rows.size(0) >= k && q_rows.scalar_type() == at::kFloat,
                 "block_verify: float32 draft probabilities (k, N)");
+    N = q_rows.size(1);
     Q = q_rows.data_ptr<float>();
     if (support) {
       columns = support->contiguous();
@@ -231,7 +231,10 @@ std::tuple<int64_t, int64_t> block_verify(torch::Tensor target_probs, torch::Ten
     }
   }
   const auto column = [&](int64_t token) -> int64_t {  // where q holds a draft (its place in the support)
-    return S ? std::lower_bound(S, S + N, token) - S : token;
+    if (!S) return token;
+    const int64_t at = std::lower_bound(S, S + N, token) - S;
+    TORCH_CHECK(at < N && S[at] == token, "block_verify: a draft outside q's support");
+    return at;
   };
   std::vector<double> weights(k + 1, 1.0), masses(k, 0.0);
   for (int64_t i = 0; i < k; ++i) {
