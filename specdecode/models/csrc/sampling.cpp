@@ -277,7 +277,10 @@ std::tuple<int64_t, int64_t> block_verify(torch::Tensor target_probs, torch::Ten
     }
   const float* p = P + tau * V;
   if (tau == k) return {tau, sample_row(p, V, u_token)};
-  std::vector<float> residual(V);  // max(0, w p - q): w p less min(w p, q)
+  // max(0, w p - q): w p less min(w p, q), in the calling thread's buffer (every entry written below; a fresh
+  // vector a round would allocate and zero 49k floats only to overwrite them)
+  thread_local std::vector<float> residual;
+  residual.resize(V);
   const float w = static_cast<float>(weights[tau]);
   for (int64_t j = 0; j < V; ++j) residual[j] = p[j] * w;
   if (!Q) {
