@@ -768,6 +768,28 @@ void AttentionWork::merge(int64_t begin, int64_t end) const {
   }
 }
 
+std::vector<int64_t> AttentionWork::bounds(int64_t parts) const {
+  std::vector<int64_t> cost(items + 1, 0);  // entries the items before item i attend (one each a query, besides)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t chunk = split ? item % chunks : 0, unit = split ? item / chunks : item;
+    const int64_t pair = unit / shares, m0 = unit % shares * per_share;
+    const int64_t count = std::max<int64_t>(0, std::min(per_share, M - m0));
+    const int64_t* reach = limits + pair / KV * M + m0;
+    const int64_t seen = count ? *std::max_element(reach, reach + count) : 0;
+    const int64_t entries = split ? std::clamp(seen - chunk * kChunk, int64_t{0}, kChunk) : seen;
+    cost[item + 1] = cost[item] + count * (entries + 1);
+  }
+  std::vector<int64_t> at(parts + 1, items);
+  at[0] = 0;
+  for (int64_t p = 1; p < parts; ++p) {  // the bound nearest an even share of the entries
+    const int64_t even = cost[items] * p / parts;
+    int64_t i = std::lower_bound(cost.begin() + at[p - 1], cost.end(), even) - cost.begin();
+    if (i > at[p - 1] && even - cost[i - 1] < cost[i] - even) --i;
+    at[p] = i;
+  }
+  return at;
+}
+
 AttentionWork attention_work(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                              const torch::Tensor& slots, const torch::Tensor& limits, double scale,
                              const torch::Tensor* paths, const torch::Tensor* starts, torch::Tensor& out,
@@ -867,7 +889,10 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
   auto partials = torch::empty({0}, q.options());
   const auto work = attention_work(q, keys, values, slots, limits, scale, paths ? &path_entries : nullptr,
                                    paths ? &path_starts : nullptr, out, partials);
-  at::parallel_for(0, work.items, 1, [&](int64_t begin, int64_t end) { work.run(begin, end); });
+  const std::vector<int64_t> bounds = work.bounds(at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) work.run(bounds[p], bounds[p + 1]);
+  });
   if (work.split)
     at::parallel_for(0, work.R * work.KV * work.M, 64, [&](int64_t begin, int64_t end) { work.merge(begin, end); });
   return out;

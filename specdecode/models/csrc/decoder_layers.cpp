@@ -192,10 +192,14 @@ torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, in
   const int64_t layer_stride = p.keys.stride(0), slot_stride = p.keys.stride(1), head_stride = p.keys.stride(2);
   const auto eps = static_cast<float>(p.eps);
   SpinBarrier barrier;
+  std::vector<int64_t> attention_bounds;  // each thread's attention items, the same in every layer
 #pragma omp parallel
   {
 #pragma omp single
-    barrier.reset(omp_get_num_threads());  // the team as OpenMP formed it (an implicit barrier follows)
+    {
+      barrier.reset(omp_get_num_threads());  // the team as OpenMP formed it (an implicit barrier follows)
+      attention_bounds = layer0.bounds(omp_get_num_threads());
+    }
     const int64_t part = omp_get_thread_num(), parts = omp_get_num_threads();
     const auto [m0, m1] = share_of(M, part, parts);  // this thread's packed rows for the per-token steps
     const auto product = [&](const Q8Inputs& in, const torch::Tensor& w, float* y) {
@@ -237,8 +241,7 @@ torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, in
       AttentionWork attention = layer0;
       attention.keys = keys + layer * layer_stride;
       attention.values = values + layer * layer_stride;
-      const auto [i0, i1] = share_of(attention.items, part, parts);
-      attention.run(i0, i1);
+      attention.run(attention_bounds[part], attention_bounds[part + 1]);
       barrier.wait();
       if (attention.split) {
         const auto [j0, j1] = share_of(attention.R * attention.KV * attention.M, part, parts);
