@@ -32,10 +32,10 @@ torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tenso
 
 namespace {
 
-// silu(x) of eight floats, x * sigmoid(x) with the sigmoid from exp(-|x|) <= 1 (exp8's range; no overflow).
-inline v8 silu8(v8 x) {
-  const v8 e = exp8(x < splat(0.f) ? x : -x);
-  return x * (x < splat(0.f) ? e / (splat(1.f) + e) : splat(1.f) / (splat(1.f) + e));
+// silu(x) of a vector's lanes, x * sigmoid(x) with the sigmoid from exp(-|x|) <= 1 (exp_v's range; no overflow).
+inline vf silu_v(vf x) {
+  const vf zero = {}, e = exp_v(x < zero ? x : -x);
+  return x * (x < zero ? e / (1.f + e) : 1.f / (1.f + e));
 }
 
 }  // namespace
@@ -48,14 +48,11 @@ inline v8 silu8(v8 x) {
 void silu_mul_row(const float* gate_up, float* out, int64_t n) {
   const float* up = gate_up + n;
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    v8 g, u;
-    std::memcpy(&g, gate_up + j, sizeof(g));
-    std::memcpy(&u, up + j, sizeof(u));
-    const v8 y = silu8(g) * u;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vf y = silu_v(load_v(gate_up + j)) * load_v(up + j);
     std::memcpy(out + j, &y, sizeof(y));
   }
-  for (; j < n; ++j) out[j] = silu8(splat(gate_up[j]))[0] * up[j];
+  for (; j < n; ++j) out[j] = silu_v(vf{} + gate_up[j])[0] * up[j];
 }
 
 torch::Tensor silu_mul(torch::Tensor gate_up) {

@@ -63,24 +63,31 @@ typedef uint32_t u8 __attribute__((vector_size(32)));
 
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
-// exp(x) of eight x <= 0 (scores minus their running maximum): Cody-Waite range reduction and a degree-6
-// polynomial in vector arithmetic (std::exp does not vectorize); relative error ~2e-7.
-inline v8 exp8(v8 x) {
-  x = x < splat(-87.f) ? splat(-87.f) : x;
-  const v8 magic = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  const v8 n = (x * splat(1.44269504088896341f) + magic) - magic;
-  const v8 r = (x - n * splat(0.693145751953125f)) - n * splat(1.428606765330187045e-06f);
-  v8 p = splat(1.f / 720.f);
-  p = p * r + splat(1.f / 120.f);
-  p = p * r + splat(1.f / 24.f);
-  p = p * r + splat(1.f / 6.f);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.f);
-  p = p * r + splat(1.f);
-  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
-  v8 scale;
+// exp(x) of the lanes of x <= 0 (scores minus their running maximum), at any vector width V (I: its 32-bit
+// integers): Cody-Waite range reduction and a degree-6 polynomial in vector arithmetic (std::exp does not
+// vectorize); relative error ~2e-7. Every lane takes the same operations, so a lane's result is the same at
+// every width.
+template <typename V, typename I>
+inline V exp_lanes(V x) {
+  const V floor = V{} - 87.f, magic = V{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to nearest
+  x = x < floor ? floor : x;
+  const V n = (x * 1.44269504088896341f + magic) - magic;
+  const V r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  V p = V{} + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+inline v8 exp8(v8 x) { return exp_lanes<v8, i8>(x); }
+inline vf exp_v(vf x) { return exp_lanes<vf, vi>(x); }
 
 inline float exp1(float x) { return exp8(splat(x))[0]; }
