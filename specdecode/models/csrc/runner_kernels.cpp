@@ -18,7 +18,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -524,22 +523,10 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
 // (upcast, square, mean, rsqrt, multiply; slice, negate, concatenate) costs tens of microseconds in
 // dispatch, and a pass runs 60 norms and 30 rotations. One loop each, over float32 rows.
 
-// out[0..n) = in / rms(in) * weight; in and out may be the same row. The squares are added into sixteen running
-// sums (element i into sum i % 16), which are then added in order, then the tail: one fixed order on every
-// machine (sixteen lanes are one register with AVX-512, two with AVX2), where one running sum was a chain of
-// n dependent adds (~0.5 us of a 576-wide row, two norms a layer and token).
+// out[0..n) = in / rms(in) * weight; in and out may be the same row.
 void rms_norm_row(const float* in, float* out, const float* weight, int64_t n, float eps) {
-  typedef float v16 __attribute__((vector_size(64)));
-  v16 sums = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    v16 v;
-    std::memcpy(&v, in + i, sizeof(v));
-    sums += v * v;
-  }
   float sum = 0.f;
-  for (int lane = 0; lane < 16; ++lane) sum += sums[lane];
-  for (; i < n; ++i) sum += in[i] * in[i];
+  for (int64_t i = 0; i < n; ++i) sum += in[i] * in[i];
   const float scale = 1.f / std::sqrt(sum / n + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = in[i] * scale * weight[i];
 }
