@@ -769,7 +769,7 @@ void AttentionWork::merge(int64_t begin, int64_t end) const {
 }
 
 std::vector<int64_t> AttentionWork::bounds(int64_t parts) const {
-  std::vector<int64_t> cost(items + 1, 0);  // entries the items before item i attend (one each a query, besides)
+  std::vector<int64_t> cost(items + 1, 0);  // cost[i]: items 0 .. i - 1's queries times (the entries each sees + 1)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t chunk = split ? item % chunks : 0, unit = split ? item / chunks : item;
     const int64_t pair = unit / shares, m0 = unit % shares * per_share;
