@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cost", help="pass cost model: read vs math time, expected speedup")
     c.add_argument("--model", default="llama-3-8b", help="a preset or an HF config.json / folder")
     c.add_argument("--hardware", default="h100-sxm", help="h100-sxm | h200 | b200 | a100 | cpu (probed)")
-    c.add_argument("--dtype", default="bf16", help="fp32 | bf16 | fp16 | fp8")
+    c.add_argument("--dtype", default="bf16", help="fp32 | bf16 | fp16 | fp8 | int8 (8-bit weights and inputs)")
     c.add_argument("--positions", default="1,2,4,5,8,16", help="comma-separated numbers of positions")
     c.add_argument("--context", type=int, default=0, help="context length (attention math)")
     c.add_argument("--kv-read", action="store_true", help="count the KV-cache read too")

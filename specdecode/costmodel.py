@@ -12,6 +12,9 @@ checked by hand against the chapter it reproduces:
   Optionally the KV cache of each layer is read too.
 * Math = 2 x params x positions FLOPs per entry (plus attention over the context in decoder layers),
   divided by the peak FLOP/s of the dtype. By the chapter's convention the embedding counts as math as well.
+* `int8` is weights and inputs in 8 bits (W8A8), with the 8-bit multiply's peak; a runner that streams other
+  bytes than `params x dtype bytes` (GGUF's 4-bit rows, a few embedding rows) is priced by `entries_cost` from the
+  bytes it reads (`bench premise`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from specdecode.errors import SpecDecodeError
 if TYPE_CHECKING:  # for the hint only: this module imports torch where a probe needs it
     import torch
 
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -244,19 +247,27 @@ class Hardware:
             ) from None
 
 
-_HOPPER_FLOPS = {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "fp32": 67e12}
+_HOPPER_FLOPS = {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "int8": 1979e12, "fp32": 67e12}
 
 # Dense (no sparsity) tensor-core peaks from the vendor data sheets.
 HARDWARE_PRESETS: dict[str, Hardware] = {
     "h100-sxm": Hardware("h100-sxm", 3.35e12, dict(_HOPPER_FLOPS)),
     "h200": Hardware("h200", 4.8e12, dict(_HOPPER_FLOPS)),
-    "b200": Hardware("b200", 8.0e12, {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp32": 80e12}),
-    "a100": Hardware("a100", 2.039e12, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
+    "b200": Hardware(
+        "b200", 8.0e12, {"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "int8": 4500e12, "fp32": 80e12}
+    ),
+    "a100": Hardware("a100", 2.039e12, {"bf16": 312e12, "fp16": 312e12, "int8": 624e12, "fp32": 19.5e12}),
 }
 
 HARDWARE_NAMES: tuple[str, ...] = (*HARDWARE_PRESETS, "cpu")
 
-_TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
+_TORCH_DTYPE_NAMES = {
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp8": "float8_e4m3fn",
+    "int8": "int8",
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -302,10 +313,11 @@ def _probe_cpu_flops(dtype: str) -> float:
     import torch
 
     torch_dtype = getattr(torch, _TORCH_DTYPE_NAMES[dtype])
+    multiply = torch._int_mm if dtype == "int8" else torch.mm  # int8 into int32 sums (oneDNN's VNNI GEMM on a CPU)
 
     def timed(a: torch.Tensor, b: torch.Tensor) -> float:
         start = time.perf_counter()
-        torch.mm(a, b)
+        multiply(a, b)
         return time.perf_counter() - start
 
     n = 128
@@ -313,8 +325,7 @@ def _probe_cpu_flops(dtype: str) -> float:
     while n < 2048 and elapsed < 0.02:
         n *= 2
         try:
-            a = torch.randn(n, n).to(torch_dtype)
-            b = torch.randn(n, n).to(torch_dtype)
+            a, b = (torch.randn(n, n).mul(40).clamp(-127, 127).to(torch_dtype) for _ in range(2))
             elapsed = timed(a, b)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise SpecDecodeError(f"cannot run a {dtype} matmul on this CPU with torch: {exc}") from exc
@@ -327,12 +338,15 @@ def _probe_cpu_flops(dtype: str) -> float:
     return 2 * n**3 / best
 
 
-def probe_cpu_hardware(dtype: str = "fp32", bandwidth_bytes_per_s: float | None = None) -> Hardware:
-    """Measure this machine (about a second, cached per process) instead of trusting a data sheet; a bandwidth
-    read elsewhere (the premise's, beside the passes it prices) is taken as given and not probed again."""
-    dtype_bytes(dtype)
+def probe_cpu_hardware(*dtypes: str, bandwidth_bytes_per_s: float | None = None) -> Hardware:
+    """Measure this machine (about a second a dtype, cached per process) instead of trusting a data sheet: the
+    peak of each dtype named (fp32 if none); a bandwidth read elsewhere (the premise's, beside the passes it
+    prices) is taken as given and not probed again."""
+    dtypes = dtypes or ("fp32",)
+    for dtype in dtypes:
+        dtype_bytes(dtype)
     bandwidth = _probe_cpu_bandwidth() if bandwidth_bytes_per_s is None else bandwidth_bytes_per_s
-    return Hardware("cpu", bandwidth, {dtype: _probe_cpu_flops(dtype)})
+    return Hardware("cpu", bandwidth, {dtype: _probe_cpu_flops(dtype) for dtype in dtypes})
 
 
 def get_hardware(name: str, dtype: str = "bf16") -> Hardware:
@@ -385,27 +399,32 @@ def pass_cost(
     include_kv_read: bool = False,
 ) -> PassCost:
     """Cost of one pass over `positions` new tokens attending to `context_len` cached ones."""
-    if positions < 1:
-        raise SpecDecodeError(f"positions must be >= 1, got {positions}")
     if context_len < 0:
         raise SpecDecodeError(f"context_len must be >= 0, got {context_len}")
     nbytes = dtype_bytes(dtype)
-    flops = hw.flops_for(dtype)
-    bandwidth = hw.bandwidth_bytes_per_s
     attn_flops = 4 * context_len * shape.q_dim * positions
     kv_bytes = kv_read_bytes(shape, context_len, nbytes) if include_kv_read else 0
-    read_s = math_s = pass_s = 0.0
-    for params, is_layer in _layer_entries(shape):
-        read = (params * nbytes + (kv_bytes if is_layer else 0)) / bandwidth
-        work = (2 * params * positions + (attn_flops if is_layer else 0)) / flops
-        read_s += read
-        math_s += work
-        pass_s += max(read, work)
+    entries = [
+        (params * nbytes + (kv_bytes if is_layer else 0), 2 * params * positions + (attn_flops if is_layer else 0))
+        for params, is_layer in _layer_entries(shape)
+    ]
+    return entries_cost(entries, hw, dtype, positions)
+
+
+def entries_cost(entries: list[tuple[float, float]], hw: Hardware, dtype: str, positions: int) -> PassCost:
+    """A pass as (bytes read, FLOPs) per entry, each entry max(read, math) at the bandwidth and `dtype`'s peak:
+    `pass_cost`'s sum, for a runner that reads other bytes than its parameters in one dtype."""
+    if positions < 1:
+        raise SpecDecodeError(f"positions must be >= 1, got {positions}")
+    flops = hw.flops_for(dtype)
+    reads = [read / hw.bandwidth_bytes_per_s for read, _ in entries]
+    works = [work / flops for _, work in entries]
+    read_s, math_s = sum(reads), sum(works)
     return PassCost(
         positions=positions,
         read_ms=read_s * 1e3,
         math_ms=math_s * 1e3,
-        pass_ms=pass_s * 1e3,
+        pass_ms=sum(map(max, reads, works)) * 1e3,
         bound="compute" if math_s > read_s else "memory",
     )
 

@@ -16,6 +16,7 @@ from specdecode.costmodel import (
     ModelShape,
     best_draft_length,
     cost_report,
+    entries_cost,
     expected_accepted_length,
     expected_speedup,
     format_cost_table,
@@ -97,6 +98,42 @@ def test_context_adds_attention_math_and_optional_kv_read():
     assert ctx.read_ms == bare.read_ms
     kv_bytes = 32 * 2 * 8192 * 8 * 128 * 2
     assert kv.read_ms - bare.read_ms == pytest.approx(kv_bytes / 3.35e12 * 1e3)
+
+
+def test_entries_cost_is_pass_costs_sum_over_the_same_entries():
+    """`pass_cost` prices its parameters through `entries_cost`; any (bytes, FLOPs) entries are summed alike."""
+    cost = pass_cost(LLAMA, H100, "bf16", 8, context_len=4096, include_kv_read=True)
+    layer = (LLAMA.layer_params * 2 + kv_read_bytes(LLAMA, 4096, 2), 2 * LLAMA.layer_params * 8 + 4 * 4096 * 4096 * 8)
+    head = LLAMA.lm_head_params + LLAMA.hidden_size
+    entries = [(LLAMA.embedding_params * 2, 2 * LLAMA.embedding_params * 8), *[layer] * 32, (head * 2, 2 * head * 8)]
+    assert entries_cost(entries, H100, "bf16", 8) == pytest.approx(cost)
+    with pytest.raises(SpecDecodeError, match="positions"):
+        entries_cost(entries, H100, "bf16", 0)
+
+
+def test_premise_prices_the_runner_by_what_it_streams_and_the_multiply_it_runs(smollm2):
+    """The default runner's roofline reads what its kernels stream and its cache holds (SmolLM2's GGUF rows: ~97
+    MB, where its float32 weights are 538 MB) at the peak of the multiply its linears run (8-bit where they round
+    their inputs to 8 bits); the HF forward's is the float weights'. Until stop 67 every variant was priced as
+    the float weights, ~3x the bytes the default streams."""
+    from specdecode.evaluation.premise import configuration_cost, roofline_dtype
+    from specdecode.models.linear import EIGHT_BIT_INPUTS
+
+    hw = Hardware("probe", 50e9, {"fp32": 200e9, "bf16": 400e9, "int8": 800e9})
+    shape = ModelShape.from_hf_config(smollm2.source)
+    runner = smollm2.runner
+    macs = sum(lin.weight.numel() for lin in runner.linears())
+    for k, context in ((1, 128), (16, 1024)):
+        cost = configuration_cost(smollm2, shape, hw, k, context)
+        cache = shape.num_layers * kv_read_bytes(shape, context, runner.cache_dtype.itemsize)
+        assert cost.read_ms == pytest.approx((runner.weight_bytes_read(k) + cache) / hw.bandwidth_bytes_per_s * 1e3)
+        multiply = roofline_dtype(smollm2, k)
+        assert (multiply == "int8") == (runner.layers[0].qkv.kernel_for(k) == EIGHT_BIT_INPUTS)
+        attention = shape.num_layers * 4 * context * shape.q_dim * k
+        assert cost.math_ms == pytest.approx((2 * macs * k + attention) / hw.flops_for(multiply) * 1e3)
+    float_weights = pass_cost(shape, hw, "fp32", 1, 128, include_kv_read=True)
+    if runner.layers[0].qkv.kernel_for(1) in ("few-rows-gguf", EIGHT_BIT_INPUTS):  # the GGUF's rows are streamed
+        assert configuration_cost(smollm2, shape, hw, 1, 128).read_ms < float_weights.read_ms / 3
 
 
 def test_kv_read_bytes_are_the_runner_caches_bytes():
@@ -285,7 +322,7 @@ def test_unknown_or_unsupported_dtype():
         get_hardware("a100", "fp8")  # Ampere has no fp8 tensor cores
     with pytest.raises(SpecDecodeError):
         pass_cost(LLAMA, HARDWARE_PRESETS["a100"], "fp8", 1)
-    assert set(DTYPE_BYTES) == {"fp32", "bf16", "fp16", "fp8"}
+    assert set(DTYPE_BYTES) == {"fp32", "bf16", "fp16", "fp8", "int8"}
 
 
 def test_presets_are_returned_by_name():
@@ -294,10 +331,11 @@ def test_presets_are_returned_by_name():
 
 
 def test_cpu_probe_returns_positive_finite_numbers():
-    hw = probe_cpu_hardware("fp32")
+    hw = probe_cpu_hardware("fp32", "int8")
     assert isinstance(hw, Hardware)
     assert math.isfinite(hw.bandwidth_bytes_per_s) and hw.bandwidth_bytes_per_s > 0
-    assert math.isfinite(hw.peak_flops["fp32"]) and hw.peak_flops["fp32"] > 0
+    assert set(hw.peak_flops) == {"fp32", "int8"}
+    assert all(math.isfinite(peak) and peak > 0 for peak in hw.peak_flops.values())
     cost = pass_cost(MODEL_PRESETS["smollm2-135m"], get_hardware("cpu", "fp32"), "fp32", 1)
     assert cost.pass_ms > 0
 

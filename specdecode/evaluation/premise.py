@@ -8,15 +8,19 @@ target until 8-bit inputs measured faster; each where the default's dtype can ru
 and `runner-auto`, the library's default (the dtype and the kernel per row count chosen on this machine), all in
 the default's dtype, and the runner in the other dtype (`runner-bf16` or `runner-fp32`: bfloat16 is the default
 only where the CPU multiplies it natively and it measured faster).
-The roofline is the default dtype's. For each context length and k, the
+For each context length and k, the
 median time of one target pass with the KV cache, interleaved across variants so that drift on a shared
 machine hits every variant alike. Each variant's block of a repetition starts with an untimed pass: in
 decoding the same model runs pass after pass, so its weights are as warm in the cache as they are here.
-The roofline is the cost model's pass time in that dtype on this machine's measured read bandwidth and
-matmul peak, with the KV cache a pass reads at that context counted as bytes, as the weights are (until stop 45
-only the weights were: at 1,024 cached tokens SmolLM2's bfloat16 cache adds 23.6 MB to the 269 MB of weights).
-The bandwidth is probed in every repetition, right before its passes (one 256 MiB read, a few ms), and the
-roofline takes the median of those probes (until stop 47: one best-of-four probe after all the passes).
+Each variant's roofline is the cost model's sum of max(read, math) over the bytes that configuration reads (the
+weights as its kernels stream them, GGUF rows a fifth to a quarter of float32, and the KV cache in its dtype, until
+stop 45 left out) and the multiply-adds it does, at this machine's measured read bandwidth and the measured peak
+of the multiply its kernels use (the 8-bit one where they round their inputs to 8 bits); the HF forward's is the
+float weights'. Until stop 67 every variant had the default dtype's float roofline: ~3x the bytes the default
+runner streams, and a peak it never uses.
+The bandwidth is probed in every repetition, right before its passes (one 256 MiB read, a few ms), and each
+context's roofline takes the median of its probes (until stop 47: one best-of-four probe after all the passes;
+until stop 67 the median over every context's).
 """
 
 import statistics
@@ -30,7 +34,7 @@ from specdecode import costmodel
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.results import write_results
 from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad
-from specdecode.models.linear import ROW_BUCKETS, candidates, has_gguf_rows
+from specdecode.models.linear import EIGHT_BIT_INPUTS, ROW_BUCKETS, candidates, has_gguf_rows
 from specdecode.models.target import Target, other_dtype
 
 FORCED_KERNELS = ("stock", "onednn", "few-rows", "few-rows-gguf")
@@ -70,6 +74,37 @@ def paired_roofline_ratio(times_ms: list[float], read_bytes_per_s: list[float], 
     """The median over repetitions of a pass's time against the time to read `bytes_read` at the bandwidth probed
     in the same repetition: a machine that changes memory state between repetitions moves both alike."""
     return statistics.median(ms * b / (bytes_read * 1e3) for ms, b in zip(times_ms, read_bytes_per_s, strict=True))
+
+
+def roofline_dtype(target: Target, k: int) -> str:
+    """The multiply a pass over k positions runs: 8-bit where the runner's linears round their inputs to 8 bits."""
+    runner = target.runner
+    if runner is not None and runner.layers[0].qkv.kernel_for(k) == EIGHT_BIT_INPUTS:
+        return "int8"
+    return costmodel.dtype_name(target.dtype)
+
+
+def configuration_cost(
+    target: Target, shape: costmodel.ModelShape, hardware: costmodel.Hardware, k: int, context: int
+) -> costmodel.PassCost:
+    """The roofline of one pass over k positions after `context` cached ones as `target` runs it: the bytes its
+    kernels stream (`weight_bytes_read`) and its cache holds, the multiply-adds of its linears and attention, at the
+    peak of `roofline_dtype`; the decoder layers and the LM head apart (their bytes per multiply-add differ). The HF
+    forward (no runner): the cost model's float weights."""
+    runner = target.runner
+    if runner is None:
+        dtype = costmodel.dtype_name(target.dtype)
+        return costmodel.pass_cost(shape, hardware, dtype, k, context, include_kv_read=True)
+    head = runner.lm_head
+    layers = [lin for lin in runner.linears() if lin is not head]
+    cache = shape.num_layers * costmodel.kv_read_bytes(shape, context, runner.cache_dtype.itemsize)
+    attention = shape.num_layers * 4 * context * shape.q_dim * k
+    entries = [
+        (runner.weight_bytes_read(k) - head.bytes_read(k) + cache, 2 * k * sum(lin.weight.numel() for lin in layers)
+         + attention),
+        (head.bytes_read(k), 2 * k * head.weight.numel()),
+    ]  # fmt: skip
+    return costmodel.entries_cost(entries, hardware, roofline_dtype(target, k), k)
 
 
 def load_variants(default: Target, target_name: str) -> dict[str, Target]:
@@ -123,21 +158,23 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
     bar.close()
 
     shape = costmodel.ModelShape.from_hf_config(default.source)
-    dtype = costmodel.dtype_name(default.dtype)
-    # the roofline at the bandwidth read beside the passes: the machine moves between memory states (a plain read at
-    # 29-37 or at 60-65 GB/s on a Zen 4 EPYC, for minutes at a time), and one probe after the passes (stop 46) could
-    # meet the other state than they did
-    bandwidth = statistics.median(b for samples in read_bytes_per_s.values() for b in samples)
-    hardware = costmodel.probe_cpu_hardware(dtype, bandwidth)
+    # each context's roofline at the bandwidth read beside its passes: the machine moves between memory states (a
+    # plain read at 29-37 or at 60-65 GB/s on a Zen 4 EPYC, for minutes at a time), and one probe after the passes
+    # (stop 46), or the median over every context's (until stop 67), could meet another state than they did
+    peaks = sorted({roofline_dtype(target, k) for target in targets.values() for k in positions})
+    hardware = {
+        c: costmodel.probe_cpu_hardware(*peaks, bandwidth_bytes_per_s=statistics.median(read_bytes_per_s[c]))
+        for c in contexts
+    }
     runs = []
     for context in contexts:
         best_one = min(statistics.median(times[(variant, context, 1)]) for variant in targets)
-        roofline_one = costmodel.pass_cost(shape, hardware, dtype, 1, context, include_kv_read=True).pass_ms
-        for variant in targets:
+        for variant, target in targets.items():
             ones = times[(variant, context, 1)]
+            roofline_one = configuration_cost(target, shape, hardware[context], 1, context).pass_ms
             for k in positions:
                 ms = statistics.median(times[(variant, context, k)])
-                roofline = costmodel.pass_cost(shape, hardware, dtype, k, context, include_kv_read=True).pass_ms
+                roofline = configuration_cost(target, shape, hardware[context], k, context).pass_ms
                 runs.append(
                     {
                         "variant": variant,
@@ -156,7 +193,7 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
     weights_read = default.runner.weight_bytes_read(1)
     itemsize = default.runner.cache_dtype.itemsize
     cache_read = {c: shape.num_layers * costmodel.kv_read_bytes(shape, c, itemsize) for c in contexts}
-    read_roofline_ms = {c: (weights_read + cache_read[c]) / hardware.bandwidth_bytes_per_s * 1e3 for c in contexts}
+    read_roofline_ms = {c: (weights_read + cache_read[c]) / hardware[c].bandwidth_bytes_per_s * 1e3 for c in contexts}
     paired = {  # rounded once: the summary shows what the JSON records (rounding 110.3152 to 110.315, then to
         # two places, gives 110.31 where the raw value gives 110.32)
         c: round(
@@ -165,7 +202,7 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
         for c in contexts
     }
     batched = batched_decoding(default, contexts, reps, generator)
-    summary = _summary(runs, contexts, positions, read_roofline_ms, paired, read_bytes_per_s)
+    summary = _summary(runs, contexts, positions, paired, read_bytes_per_s)
     summary += "\n\n" + _batched_table(batched)
     table = _table(runs, variants, positions, contexts)
     plot = _plot(runs, variants, positions, contexts, out_dir)
@@ -178,9 +215,12 @@ def run_premise(target_name: str, positions: list[int], contexts: list[int], rep
         reps=reps,
         foreign_load_cores_median=round(statistics.median(foreign), 3),
         cpu_probe={
-            "read_gb_per_s": round(hardware.bandwidth_bytes_per_s / 1e9, 2),
+            "read_gb_per_s": round(statistics.median(b for v in read_bytes_per_s.values() for b in v) / 1e9, 2),
             "read_gb_per_s_per_repetition": {c: [round(b / 1e9, 1) for b in v] for c, v in read_bytes_per_s.items()},
-            f"{dtype}_matmul_gflop_per_s": round(hardware.flops_for(dtype) / 1e9, 1),
+            **{
+                f"{dtype}_matmul_gflop_per_s": round(peak / 1e9, 1)
+                for dtype, peak in hardware[contexts[0]].peak_flops.items()
+            },
         },
         chosen_configuration=chosen,
         weights_read_mb_one_position=round(weights_read / 1e6, 1),
@@ -251,20 +291,19 @@ def _summary(
     runs: list[dict],
     contexts: list[int],
     positions: list[int],
-    read_roofline_ms: dict[int, float],
     paired: dict[int, float],
     read_bytes_per_s: dict[int, list[float]],
 ) -> str:
-    """Per context: the default's t(1) against the roofline (the dtype's weights and the KV cache; and the time to
-    read what its kernels stream, which is less where they read the GGUF's rows) and the HF forward, and its t(8)/t(1),
-    t(16)/t(1) beside the roofline's own: where k positions' FLOPs outlast one pass's bytes, no kernel gets
-    below it. `t(1) / read roofline` pairs each repetition's t(1) with the bandwidth probed in that repetition
-    (median of those ratios), so a change of the machine's memory state between repetitions cancels; the probe's
-    median and range per context say which state (or states) the passes met."""
-    lines = ["| context | runner t(1) ms | roofline ms | t(1) / roofline | read roofline ms | t(1) / read roofline | "
+    """Per context: the default's t(1) against its roofline (what its kernels stream and its cache holds, at
+    the context's median probe) and the HF forward, and its t(8)/t(1), t(16)/t(1) beside the roofline's own: where k positions'
+    multiply-adds outlast one pass's bytes, no kernel gets below it. `paired` sets each repetition's t(1) against
+    the bytes at the bandwidth probed in that repetition (median of those ratios), so a change of the machine's
+    memory state between repetitions cancels; the probe's median and range per context say which state (or
+    states) the passes met."""
+    lines = ["| context | runner t(1) ms | roofline ms | t(1) / roofline | t(1) / roofline, paired | "
              "hf t(1) / runner t(1) | t(8)/t(1) | t(16)/t(1) | roofline t(8)/t(1) | roofline t(16)/t(1) | "
              "read GB/s (range) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for context in contexts:
         cell = {(r["variant"], r["positions"]): r for r in runs if r["context"] == context}
         one = cell[("runner-auto", 1)]
@@ -276,7 +315,7 @@ def _summary(
         probed = [b / 1e9 for b in read_bytes_per_s[context]]
         lines.append(
             f"| {context} | {one['ms_median']:.1f} | {one['roofline_ms']:.1f} | {one['ratio_to_roofline']:.2f} | "
-            f"{read_roofline_ms[context]:.1f} | {paired[context]:.2f} | "
+            f"{paired[context]:.2f} | "
             f"{cell[('hf', 1)]['ms_median'] / one['ms_median']:.2f} | " + " | ".join(ratios) + " | "
             f"{statistics.median(probed):.0f} ({min(probed):.0f}-{max(probed):.0f}) |"
         )
@@ -313,7 +352,7 @@ def _plot(runs: list[dict], variants: list[str], positions: list[int], contexts:
             cells = [r for r in runs if r["variant"] == variant and r["context"] == context]
             ax.plot(positions, [r["ms_median"] for r in cells], marker="o", label=variant)
         roofline = [r["roofline_ms"] for r in runs if r["variant"] == "runner-auto" and r["context"] == context]
-        ax.plot(positions, roofline, "k--", label="roofline (measured bandwidth and peak)")
+        ax.plot(positions, roofline, "k--", label="runner-auto's roofline (its bytes; measured bandwidth, peak)")
         ax.set_title(f"context {context}")
         ax.set_xlabel("positions k in one pass")
         ax.set_ylim(bottom=0)
