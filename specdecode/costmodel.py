@@ -280,11 +280,18 @@ READ_PROBE_BYTES = 256 * 2**20  # far beyond any per-core cache share
 
 def read_probe_buffer() -> torch.Tensor:
     """The buffer the read-bandwidth probe sums: 256 MiB of float32 ones (ones, not empty: its pages fault in
-    now, not in a timed read). A larger buffer measured the same here but faulting its pages in took seconds on
-    a busy machine."""
+    now, not in a timed read), on 2 MB pages where the kernel offers them, as the runner's weights are
+    (`models/huge_pages.py`: on 4 KB pages a VM's reads ran at 35 GB/s where they ran at 59 on 2 MB pages; until
+    stop 67 the probe read 4 KB pages). A larger buffer measured the same here but faulting its pages in took
+    seconds on a busy machine."""
     import torch
 
-    return torch.ones(READ_PROBE_BYTES // 4, dtype=torch.float32)
+    from specdecode.models.huge_pages import huge_page_bytes
+
+    raw = huge_page_bytes(READ_PROBE_BYTES)
+    if raw is None:
+        return torch.ones(READ_PROBE_BYTES // 4, dtype=torch.float32)
+    return raw.view(torch.float32).fill_(1.0)
 
 
 def read_bandwidth(buffer: torch.Tensor) -> float:

@@ -23,6 +23,7 @@ from specdecode.models import linear as linear_module
 from specdecode.models.gguf_rows import SOURCE_MARKER, dequantize, holds_rows, interleave, quantize_q4_1, quantize_q8_0
 from specdecode.models.linear import (
     BFLOAT16,
+    EIGHT_BIT_INPUTS,
     FEW_ROWS_MAX,
     FLOAT32,
     ROW_BUCKETS,
@@ -651,3 +652,37 @@ def test_a_float32_drafter_trains_through_a_frozen_bfloat16_head():
     y.sum().backward()
     assert y.dtype == torch.float32 and x.grad is not None and x.grad.dtype == torch.float32
     torch.testing.assert_close(y, (x.bfloat16() @ head.weight.T).float())
+
+
+def test_weights_on_huge_pages_are_the_same_bytes_packed_in_order(tmp_path, monkeypatch):
+    """`on_huge_pages` copies tensors into one mapping (the first at a 2 MB boundary, each at 64 bytes), equal to
+    the originals; where the kernel has transparent huge pages off it copies nothing."""
+    from specdecode.models import huge_pages
+
+    mode = tmp_path / "enabled"
+    monkeypatch.setattr(huge_pages, "THP_MODE", mode)
+    tensors = [torch.randint(0, 255, (3, 5, 20), dtype=torch.uint8), torch.randn(7, 9), torch.arange(5)]
+    mode.write_text("always madvise [never]\n")
+    assert huge_pages.on_huge_pages(tensors) is None
+    mode.write_text("always [madvise] never\n")
+    copies = huge_pages.on_huge_pages(tensors)
+    assert [c.dtype for c in copies] == [t.dtype for t in tensors]
+    assert all(torch.equal(c, t) and c.is_contiguous() for c, t in zip(copies, tensors, strict=True))
+    starts = [c.data_ptr() for c in copies]
+    assert starts[0] % huge_pages.HUGE_PAGE == 0 and all(s % 64 == 0 for s in starts)
+    assert starts == sorted(starts) and starts[-1] - starts[0] < 2048  # packed, in order
+    assert len({c.untyped_storage().data_ptr() for c in copies}) == 1
+
+
+def test_the_runner_streams_its_8_bit_weights_from_one_mapping_in_pass_order(smollm2):
+    """Where the 8-bit kernel runs the target's linears and the kernel has huge pages, their rows sit in one
+    mapping in the order a pass reads them (layer by layer, the LM head last)."""
+    from specdecode.models.huge_pages import huge_pages_available
+
+    linears = [lin for lin in smollm2.runner.linears() if EIGHT_BIT_INPUTS in lin.plan.values()]
+    if not linears or not huge_pages_available():
+        pytest.skip("no 8-bit kernel or no transparent huge pages on this machine")
+    weights = [lin.few_rows_weight(EIGHT_BIT_INPUTS) for lin in linears]
+    assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
+    starts = [w.data_ptr() for w in weights]
+    assert starts == sorted(starts)

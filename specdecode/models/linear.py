@@ -41,6 +41,7 @@ from torch import nn
 
 from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad
 from specdecode.models.gguf_rows import dequantize, interleave, quantize_q4_1, quantize_q8_0
+from specdecode.models.huge_pages import on_huge_pages
 from specdecode.paths import cache_dir
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a pass with M rows uses the plan of the smallest bucket >= M
@@ -260,6 +261,17 @@ class Linear:
         kernel = self.kernel_for(x.shape[0])
         y = self.run(x.to(input_dtype(kernel, self.weight.dtype)), kernel).to(dtype)
         return y.view(*shape[:-1], y.shape[-1])
+
+
+def interleaved_on_huge_pages(linears: list[Linear]) -> None:
+    """The 8-bit kernel's rows of those `linears` that the plan runs on it, copied in their order into one mapping
+    on 2 MB pages (`models/huge_pages.py`; where the kernel offers none, they stay where they are). The same
+    bytes: only where they live changes."""
+    chosen = [lin for lin in linears if EIGHT_BIT_INPUTS in lin.plan.values() and lin.blocks is not None]
+    copies = on_huge_pages([lin.few_rows_weight(EIGHT_BIT_INPUTS) for lin in chosen])
+    if copies is not None:
+        for lin, copy in zip(chosen, copies, strict=True):
+            lin._interleaved = copy
 
 
 PANEL_OUTPUTS = 64  # outputs per panel group of the bfloat16 kernel (csrc/runner_kernels.cpp)
