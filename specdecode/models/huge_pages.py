@@ -8,8 +8,9 @@ matrices are smaller, and with it set passes did not move (1.04 / 1.00x at 1 / 8
 processes, stop 67). Copied in the order a pass reads them into one mapping advised to 2 MB pages (Linux's
 transparent huge pages in `madvise` or `always` mode), a one-position pass took 0.79 / 0.84x the time at 128 /
 1,024 cached tokens on a Zen 4 EPYC (alternating processes, results/huge_pages_ab_zen4_s67.md), passes over 8-16
-positions ~0.95x; the same copy on 4 KB pages ~1.0x. This VM's "slow memory state" (docs/runner.md) is mostly
-that: a plain read of 256 MB ran at 35 GB/s on 4 KB pages and 59 GB/s on 2 MB pages in the same second.
+positions ~0.95x; the same copy on 4 KB pages ~1.0x. This VM's "slow memory state" (docs/runner.md) is partly
+that: a plain read of 256 MB ran at 35 GB/s on 4 KB pages and 59 GB/s on 2 MB pages in the same second (on 2 MB
+pages the machine still moves between states, less often).
 """
 
 import mmap
