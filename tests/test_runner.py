@@ -686,3 +686,28 @@ def test_the_runner_streams_its_8_bit_weights_from_one_mapping_in_pass_order(smo
     assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
     starts = [w.data_ptr() for w in weights]
     assert starts == sorted(starts)
+
+
+def test_bfloat16_panels_move_to_huge_pages_and_still_compute_the_same(tmp_path, monkeypatch):
+    """A linear planned on the few-rows kernel over bfloat16 panels (a packed copy of its own) reads them from the
+    huge-page mapping afterwards, with the same output bits; its float weight as loaded stays where it was."""
+    from specdecode.models import huge_pages
+
+    mode = tmp_path / "enabled"
+    mode.write_text("always [madvise] never\n")
+    monkeypatch.setattr(huge_pages, "THP_MODE", mode)
+    torch.manual_seed(0)
+    linears = [Linear(torch.randn(128, 64).to(torch.bfloat16)) for _ in range(2)]
+    if not panels_fit(linears[0].weight):
+        pytest.skip("no native bfloat16 panels on this CPU")
+    x = torch.randn(3, 64)
+    for lin in linears:
+        lin.plan = {b: "few-rows" for b in ROW_BUCKETS}
+    before = [lin(x) for lin in linears]
+    weights = [lin.weight for lin in linears]
+    linear_module.kernel_weights_on_huge_pages(linears)
+    panels = [lin.few_rows_weight("few-rows") for lin in linears]
+    assert len({p.untyped_storage().data_ptr() for p in panels}) == 1
+    assert panels[0].data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert all(lin.weight is w for lin, w in zip(linears, weights, strict=True))
+    assert all(torch.equal(lin(x), b) for lin, b in zip(linears, before, strict=True))

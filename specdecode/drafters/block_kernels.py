@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from specdecode.drafters.layers import FrozenRMSNorm
-from specdecode.models.linear import FrozenLinear, Linear, cpu_kernels_available, interleaved_on_huge_pages
+from specdecode.models.linear import FrozenLinear, Linear, cpu_kernels_available, kernel_weights_on_huge_pages
 from specdecode.models.llama import KVCache
 from specdecode.sampling import SamplingParams
 
@@ -53,10 +53,10 @@ class BlockKernels:
                 layer.down_proj.linear,
             )
             self.layer_parts.append(parts + ((layer.q_norm.weight, layer.k_norm.weight) if self.head_norms else ()))
-        # what a round reads, in its order, on 2 MB pages where the 8-bit kernel runs them (models/huge_pages.py)
+        # what a round reads, in its order, on 2 MB pages where the kernels read copies (models/huge_pages.py)
         head = [model.lm_head.linear] if c.draft_vocab_size and isinstance(model.lm_head, FrozenLinear) else []
         layer_linears = [p for parts in self.layer_parts for p in parts if isinstance(p, Linear)]
-        interleaved_on_huge_pages([self.fc, self.context_kv_linear, *layer_linears, *head])
+        kernel_weights_on_huge_pages([self.fc, self.context_kv_linear, *layer_linears, *head])
         markov = model.markov
         self.chains = markov is None or markov.kind == "vanilla"  # the C++ chain covers these heads
         if self.chains:

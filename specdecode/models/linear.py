@@ -263,15 +263,22 @@ class Linear:
         return y.view(*shape[:-1], y.shape[-1])
 
 
-def interleaved_on_huge_pages(linears: list[Linear]) -> None:
-    """The 8-bit kernel's rows of those `linears` that the plan runs on it, copied in their order into one mapping
-    on 2 MB pages (`models/huge_pages.py`; where the kernel offers none, they stay where they are). The same
-    bytes: only where they live changes."""
-    chosen = [lin for lin in linears if EIGHT_BIT_INPUTS in lin.plan.values() and lin.blocks is not None]
-    copies = on_huge_pages([lin.few_rows_weight(EIGHT_BIT_INPUTS) for lin in chosen])
+def kernel_weights_on_huge_pages(linears: list[Linear]) -> None:
+    """What the few-rows kernels planned for these `linears` read where it is a copy of their own (the 8-bit
+    kernel's interleaved rows, bfloat16 panels), moved in their order into one mapping on 2 MB pages
+    (`models/huge_pages.py`; where the kernel offers none, they stay where they are). The same bytes: only where
+    they live changes. Float weights as loaded stay put (the HF modules share them)."""
+    moved: list[tuple[Linear, str, torch.Tensor]] = []  # (linear, the attribute holding the copy, the copy)
+    for lin in linears:
+        planned = set(lin.plan.values())
+        if EIGHT_BIT_INPUTS in planned and lin.blocks is not None:
+            moved.append((lin, "_interleaved", lin.few_rows_weight(EIGHT_BIT_INPUTS)))
+        if "few-rows" in planned and lin.kernel_weight is not lin.weight:
+            moved.append((lin, "_panels", lin.kernel_weight))
+    copies = on_huge_pages([weight for *_, weight in moved])
     if copies is not None:
-        for lin, copy in zip(chosen, copies, strict=True):
-            lin._interleaved = copy
+        for (lin, name, _), copy in zip(moved, copies, strict=True):
+            setattr(lin, name, copy)
 
 
 PANEL_OUTPUTS = 64  # outputs per panel group of the bfloat16 kernel (csrc/runner_kernels.cpp)

@@ -21,7 +21,7 @@ from specdecode.models.linear import (
     EIGHT_BIT_INPUTS,
     Linear,
     cpu_kernels_available,
-    interleaved_on_huge_pages,
+    kernel_weights_on_huge_pages,
     native_bfloat16,
     plan_kernels,
 )
@@ -341,7 +341,7 @@ class LlamaRunner:
         # the C++ layer loop (csrc/decoder_layers.cpp) runs the layers of the model types it covers
         plain = all(lin.bias is None for lin in self.linears()) and all(lay.q_norm is None for lay in self.layers)
         self.layer_weights: dict[str, list[torch.Tensor]] = {}  # per few-rows kernel
-        interleaved_on_huge_pages(self.linears())  # in the order a pass reads them
+        kernel_weights_on_huge_pages(self.linears())  # in the order a pass reads them
         if self.fused and plain:
             # the float32 kernels' weights are the tensors already held, so both are ready for a plan switched
             # between them; the 8-bit kernel's are an interleaved copy (96 MB, 0.2 s for SmolLM2), made if planned
