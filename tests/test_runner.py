@@ -654,17 +654,27 @@ def test_a_float32_drafter_trains_through_a_frozen_bfloat16_head():
     torch.testing.assert_close(y, (x.bfloat16() @ head.weight.T).float())
 
 
-def test_weights_on_huge_pages_are_the_same_bytes_packed_in_order(tmp_path, monkeypatch):
+@pytest.fixture
+def thp_mode(tmp_path, monkeypatch):
+    """The kernel's transparent-huge-page mode as `models/huge_pages.py` reads it: a file of the test's, `madvise`
+    until the test writes another."""
+    from specdecode.models import huge_pages
+
+    mode = tmp_path / "enabled"
+    mode.write_text("always [madvise] never\n")
+    monkeypatch.setattr(huge_pages, "THP_MODE", mode)
+    return mode
+
+
+def test_weights_on_huge_pages_are_the_same_bytes_packed_in_order(thp_mode):
     """`on_huge_pages` copies tensors into one mapping (the first at a 2 MB boundary, each at 64 bytes), equal to
     the originals; where the kernel has transparent huge pages off it copies nothing."""
     from specdecode.models import huge_pages
 
-    mode = tmp_path / "enabled"
-    monkeypatch.setattr(huge_pages, "THP_MODE", mode)
     tensors = [torch.randint(0, 255, (3, 5, 20), dtype=torch.uint8), torch.randn(7, 9), torch.arange(5)]
-    mode.write_text("always madvise [never]\n")
+    thp_mode.write_text("always madvise [never]\n")
     assert huge_pages.on_huge_pages(tensors) is None
-    mode.write_text("always [madvise] never\n")
+    thp_mode.write_text("always [madvise] never\n")
     copies = huge_pages.on_huge_pages(tensors)
     assert [c.dtype for c in copies] == [t.dtype for t in tensors]
     assert all(torch.equal(c, t) and c.is_contiguous() for c, t in zip(copies, tensors, strict=True))
@@ -688,14 +698,11 @@ def test_the_runner_streams_its_8_bit_weights_from_one_mapping_in_pass_order(smo
     assert starts == sorted(starts)
 
 
-def test_bfloat16_panels_move_to_huge_pages_and_still_compute_the_same(tmp_path, monkeypatch):
+def test_bfloat16_panels_move_to_huge_pages_and_still_compute_the_same(thp_mode):
     """A linear planned on the few-rows kernel over bfloat16 panels (a packed copy of its own) reads them from the
     huge-page mapping afterwards, with the same output bits; its float weight as loaded stays where it was."""
     from specdecode.models import huge_pages
 
-    mode = tmp_path / "enabled"
-    mode.write_text("always [madvise] never\n")
-    monkeypatch.setattr(huge_pages, "THP_MODE", mode)
     torch.manual_seed(0)
     linears = [Linear(torch.randn(128, 64).to(torch.bfloat16)) for _ in range(2)]
     if not panels_fit(linears[0].weight):
