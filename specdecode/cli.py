@@ -344,6 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --scheduler prefix: draft every step, even where the measured costs say drafting will not pay",
     )
+    sv.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="prefill every prompt whole, even where a free KV slot holds its start (a drafter of no features)",
+    )
     sv.add_argument("--max-batch", type=int, default=8, help="requests in the running batch (KV slots)")
     sv.add_argument("--max-len", type=int, default=2048, help="tokens per request: prompt + completion")
     sv.add_argument("--host", default="127.0.0.1")
@@ -904,7 +909,13 @@ def cmd_serve(args) -> None:
     drafter = build_drafter(args.drafter, target)
     scheduler = resolve_scheduler(args.scheduler, drafter)
     config = EngineConfig(
-        args.max_batch, args.max_len, args.draft_length, scheduler, args.threshold, not args.no_drafting_gate
+        args.max_batch,
+        args.max_len,
+        args.draft_length,
+        scheduler,
+        args.threshold,
+        not args.no_drafting_gate,
+        not args.no_prefix_caching,
     )
     if scheduler == "prefix" and has_confidences(drafter):
         _note("measuring this machine's SPS(B) table for the prefix scheduler (cached after the first time)")

@@ -115,6 +115,49 @@ def test_slots_are_bounded_and_accounted():
         BatchedTarget(target, slots=1, max_len=target.max_context + 1)
 
 
+def _next_logits(batched, slot, prompt, cached):
+    """Prefill what `slot` does not hold of prompt[:-1], then the logits of one pass over its last token."""
+    if len(prompt) - 1 > cached:
+        batched.forward([slot], [torch.tensor(prompt[cached:-1])], logits=False)
+    return batched.forward([slot], [torch.tensor(prompt[-1:])]).logits[0]
+
+
+def test_prefix_reuse_skips_held_tokens_and_keeps_the_bits():
+    """A kept slot's start of a prompt, from a free slot or copied from one in use, gives the very logits of a fresh
+    prefill (the target's kernels compute each row alike: `splits_alike`); the longest holder wins."""
+    target = tiny_target(kernel="few-rows")
+    assert target.splits_alike
+    batched = BatchedTarget(target, slots=3, max_len=64)
+    fresh = BatchedTarget(target, slots=1, max_len=64)
+    shared, other = [3, 4, 5, 6, 7, 8], [9, 10, 11, 12]
+    first = batched.acquire()
+    _next_logits(batched, first, shared + [13, 14, 15], 0)  # slot 0 now holds shared + [13, 14, 15]
+    busy, cached = batched.acquire_cached(other + [2, 2])  # nothing shared: the lowest free slot, nothing held
+    assert (busy, cached) == (1, 0)
+    _next_logits(batched, busy, other + [2, 2], 0)
+    prompt = shared + [20, 21, 22]
+    slot, cached = batched.acquire_cached(prompt[:-1])  # slot 0 is in use: its start is copied into slot 2
+    assert (slot, cached) == (2, len(shared))
+    reference = _next_logits(fresh, fresh.acquire(), prompt, 0)
+    assert torch.equal(_next_logits(batched, slot, prompt, cached), reference)
+    batched.release(first)
+    batched.release(slot)  # now slots 0 and 2 are free, and 2 holds all of prompt
+    again, cached = batched.acquire_cached(prompt[:-1])
+    assert (again, cached) == (2, len(prompt) - 1) and batched.tokens[again] == prompt[:-1]
+    assert torch.equal(_next_logits(batched, again, prompt, cached), reference)
+    assert batched.free_slots == 1
+
+
+def test_prefix_reuse_is_off_where_bits_depend_on_the_cut():
+    target = tiny_target(kernel="stock")  # stock kernels promise no row-by-row bits
+    assert not target.splits_alike
+    batched = BatchedTarget(target, slots=2, max_len=32)
+    slot = batched.acquire()
+    batched.forward([slot], [torch.tensor([3, 4, 5, 6])], logits=False)
+    batched.release(slot)
+    assert batched.acquire_cached([3, 4, 5, 6, 7]) == (0, 0) and batched.length(0) == 0
+
+
 def test_profile_batched_pass_measures_and_frees_slots(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     batched = BatchedTarget(tiny_target(), slots=2, max_len=64)
@@ -191,6 +234,26 @@ def test_engine_schedulers_stay_lossless_tiny(scheduler):
     steps_per_s = (lambda b: 100.0 / (1 + 0.05 * b)) if scheduler == "prefix" else None
     engine = ContinuousEngine(target, drafter, config, steps_per_s=steps_per_s)
     assert [c.token_ids for c in _run(engine, prompts, 12)] == references
+
+
+def test_engine_prefix_reuse_changes_no_token_and_counts_what_it_skipped():
+    """Prompts opening alike (a system turn) through one slot after another: the same tokens with prefix reuse as
+    without, the held starts counted; a drafter of target features reuses nothing (it needs every position's)."""
+    target = tiny_target(vocab_size=32, seed=3, kernel="few-rows")
+    opening = [5, 6, 7, 8, 9, 10]
+    prompts = [opening + tail for tail in ([11, 12], [13], [11, 12, 14], [15, 16])]
+
+    def run(drafter, prefix_caching):
+        config = EngineConfig(max_batch=2, max_len=48, draft_length=3, prefix_caching=prefix_caching)
+        engine = ContinuousEngine(target, drafter, config)
+        return [c.token_ids for c in _run(engine, prompts, 10)], engine.metrics.prefix_cached_tokens
+
+    plain, none_cached = run(Drafter(), False)
+    reused, cached = run(Drafter(), True)
+    assert reused == plain and none_cached == 0
+    assert cached >= 2 * len(opening)  # the two waiting prompts found the opening at least
+    drafted, feature_cached = run(_tiny_dspark(target), True)
+    assert drafted == plain and feature_cached == 0
 
 
 def test_engine_refuses_what_can_never_fit_and_needs_confidences_for_prefix():

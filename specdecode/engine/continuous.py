@@ -7,8 +7,9 @@ pool threads than cores, libgomp lets idle workers spin only ~100 times before s
 region of every kernel pays a futex wake-up (measured on a 2-core EPYC: one-row decode step 15 ms on the main
 thread, 39 ms on a second thread; 64 rows 114 against 169 ms).
 
-Between steps, queued requests join while KV slots are free (their prompt is prefilled in its own pass) and
-finished or cancelled ones leave and free their slot. Each step:
+Between steps, queued requests join while KV slots are free (their prompt is prefilled in its own pass, less
+the start that a free slot still holds from an earlier request: prefix reuse, `engine/batch.py`) and finished
+or cancelled ones leave and free their slot. Each step:
 every running request's drafter proposes (in one batched call where the drafter has one), unless the
 drafting gate (`engine/drafting_gate.py`, with the prefix scheduler) predicts that drafting will not pay
 this step; the scheduler (`engine/scheduler.py`) decides how many drafts of each to verify, counting the
@@ -62,6 +63,7 @@ class EngineConfig:
     scheduler: str = "fixed"  # prefix | threshold | fixed
     threshold: float = 0.5
     gate: bool = True  # with the prefix scheduler: skip drafting in steps where it is not expected to pay
+    prefix_caching: bool = True  # a prompt's prefill skips the start a free KV slot holds (drafters of no features)
 
 
 class RequestHandle:
@@ -321,13 +323,17 @@ class ContinuousEngine:
             request.handle.finish(Completion(token_ids=[], text="", finish_reason="cancelled"))
             return
         start = time.perf_counter()
-        slot = self.batched.acquire()
         prompt = request.prompt_ids
+        # a drafter of target features needs them at every prompt position, and a kept slot has none
+        if self.config.prefix_caching and not self.drafter.target_layer_ids:
+            slot, cached = self.batched.acquire_cached(prompt[:-1])
+        else:
+            slot, cached = self.batched.acquire(), 0
         features = None
-        if len(prompt) > 1:
-            out = self.batched.forward([slot], [torch.tensor(prompt[:-1])], logits=False)
+        if len(prompt) - 1 > cached:
+            out = self.batched.forward([slot], [torch.tensor(prompt[cached:-1])], logits=False)
             layer_hidden = None if out.layer_hidden is None else out.layer_hidden[0]
-            features = TargetFeatures(layer_hidden, out.last_hidden[0])
+            features = None if cached else TargetFeatures(layer_hidden, out.last_hidden[0])
         generator = torch.Generator().manual_seed(request.seed)
         drafter = copy.copy(self.drafter)
         drafter.begin(list(prompt), request.params, generator, features)
@@ -337,6 +343,7 @@ class ContinuousEngine:
         self._running.append(_Sequence(request, slot, list(prompt), drafter, generator, stats, start, detok, drafting))
         with self.metrics.lock:
             self.metrics.prompt_tokens += len(prompt)
+            self.metrics.prefix_cached_tokens += cached
 
     def _leave_cancelled(self) -> None:
         for sequence in [s for s in self._running if s.request.handle.cancelled]:

@@ -24,6 +24,7 @@ class EngineMetrics:
         self.lock = threading.Lock()
         self.requests = {"finished": 0, "cancelled": 0, "failed": 0, "refused": 0}
         self.prompt_tokens = 0
+        self.prefix_cached_tokens = 0  # prompt tokens whose prefill a kept KV slot saved
         self.generated_tokens = 0
         self.rounds = 0  # request-rounds: one per request per verify pass
         self.drafts = 0  # request-rounds that verified at least one draft
@@ -78,6 +79,7 @@ class EngineMetrics:
             requests.add_metric([status], count)
         yield requests
         yield counter("prompt_tokens", "Prefill tokens processed", self.prompt_tokens)
+        yield counter("prefix_cache_hits", "Prompt tokens a kept KV slot held", self.prefix_cached_tokens)
         yield counter("generation_tokens", "Generation tokens processed", self.generated_tokens)
         yield counter("verify_rounds", "Request-rounds (one per request per verify pass)", self.rounds)
         yield counter("spec_decode_num_drafts", "Request-rounds that verified drafts", self.drafts)

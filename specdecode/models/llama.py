@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from specdecode.models.linear import (
     EIGHT_BIT_INPUTS,
+    ROW_BUCKETS,
     Linear,
     cpu_kernels_available,
     kernel_weights_on_huge_pages,
@@ -100,6 +101,11 @@ class KVCache:
             picked = slice(first, first + len(rows.slots))
             return layer_keys[picked, :, : rows.kv_length], layer_values[picked, :, : rows.kv_length]
         return layer_keys[rows.slot_index, :, : rows.kv_length], layer_values[rows.slot_index, :, : rows.kv_length]
+
+    def copy_entries(self, source: int, dest: int, start: int, end: int) -> None:
+        """Copy slot `source`'s entries start .. end - 1 to the same places of slot `dest`, in every layer."""
+        for buffer in (self.keys, self.values):
+            buffer[:, dest, :, start:end] = buffer[:, source, :, start:end]
 
     def move(self, slot: int, source: torch.Tensor, dest: int) -> None:
         """Copy entries `source` of `slot` to `dest`, `dest + 1`, ... in every layer (a tree's accepted path)."""
@@ -352,6 +358,15 @@ class LlamaRunner:
     def eight_bit_inputs(self) -> bool:
         """Whether the plan runs some of the linears on inputs rounded to 8 bits (where it found them faster)."""
         return any(EIGHT_BIT_INPUTS in lin.plan.values() for lin in self.linears())
+
+    @property
+    def splits_alike(self) -> bool:
+        """Whether a token's keys and values come out the same bits however its sequence was cut into passes: one
+        few-rows kernel at every row bucket (each row computed on its own, `models/linear.py`) and the C++
+        attention over the cache. Cached entries of a prompt's start then stand for its prefill."""
+        kernels = {kernel for lin in self.linears() for kernel in lin.plan.values()}
+        whole = all(len(lin.plan) == len(ROW_BUCKETS) for lin in self.linears())
+        return self.fused and whole and len(kernels) == 1 and next(iter(kernels)).startswith("few-rows")
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [

@@ -229,6 +229,12 @@ class Target:
         return hook
 
     # ---------------------------------------------------------------- passes
+    @property
+    def splits_alike(self) -> bool:
+        """Whether a token's cached keys and values do not depend on how its sequence was cut into passes (the
+        runner's `splits_alike`; the HF fallback promises nothing)."""
+        return self.runner is not None and self.runner.splits_alike
+
     def new_cache(self, slots: int, capacity: int) -> KVCache:
         if self.runner:
             return self.runner.new_cache(slots, capacity)
