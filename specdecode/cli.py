@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt = bsub.add_parser("training", help="regeneration and trainer tokens/s")
     _add_target_args(bt)
     bt.add_argument("--prompts", type=int, default=32)
+    bt.add_argument("--repeats", type=int, default=1, help="regeneration with and without prefix reuse, alternating")
     bt.add_argument("--out", default="docs/results")
 
     bsc = bsub.add_parser("scaling", help="held-out accepted length against training tokens, from finished runs")
@@ -674,7 +675,7 @@ def cmd_bench(args) -> None:
     else:
         from specdecode.evaluation.training_throughput import run_training_throughput
 
-        run_training_throughput(_load_target(args), args.out, prompts=args.prompts)
+        run_training_throughput(_load_target(args), args.out, prompts=args.prompts, repeats=args.repeats)
 
 
 def _mix(text: str) -> dict[str, float]:

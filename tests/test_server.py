@@ -176,6 +176,7 @@ def test_metrics_parse_as_prometheus_text(server, client):
         "specdecode:mean_accepted_length",
         "specdecode:num_requests_waiting",
         "specdecode:generation_tokens_total",
+        "specdecode:prefix_cache_hits_total",
         "specdecode:spec_decode_num_drafts_total",
         "specdecode:spec_decode_num_draft_tokens_total",
         "specdecode:spec_decode_num_accepted_tokens_total",

@@ -43,6 +43,7 @@ class RegenerationSettings:
     max_len: int = 1024  # tokens a turn may hold, the conversation so far included
     shard_size: int = 500
     seed: int = 0
+    prefix_caching: bool = True  # a turn's prefill skips the start a KV slot holds (engine/batch.py): same tokens
 
 
 @dataclass
@@ -117,7 +118,7 @@ def regenerate(
     finished = {r["id"] for r in read_records(out)}
     todo = [(index, c) for index, c in enumerate(conversations) if c.id not in finished]
     params = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
-    config = EngineConfig(max_batch=settings.batch_size, max_len=settings.max_len, draft_length=0)
+    config = EngineConfig(settings.batch_size, settings.max_len, 0, prefix_caching=settings.prefix_caching)
     engine = ContinuousEngine(target, Drafter(), config)
     answered: queue.Queue = queue.Queue()
     chats: dict[str, list[dict]] = {}
@@ -174,7 +175,7 @@ def regenerate(
     return RegenerationReport(len(conversations), len(conversations) - len(todo), new_tokens, seconds)
 
 
-_THROUGHPUT_ONLY = ("batch_size", "shard_size")
+_THROUGHPUT_ONLY = ("batch_size", "shard_size", "prefix_caching")
 
 
 def sampling_settings(settings: object) -> dict:
