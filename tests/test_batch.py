@@ -148,6 +148,27 @@ def test_prefix_reuse_skips_held_tokens_and_keeps_the_bits():
     assert batched.free_slots == 1
 
 
+def test_prefix_reuse_keeps_the_features_of_a_slots_start():
+    """With `keep_features`, a reused start comes with the captured layers and last hidden state a whole prefill
+    gives those positions, bit for bit (a feature drafter's context), also when copied from a slot in use."""
+    target = tiny_target(kernel="few-rows")
+    target.set_capture_layers([0])
+    batched = BatchedTarget(target, slots=2, max_len=64, keep_features=True)
+    fresh = BatchedTarget(target, slots=1, max_len=64)
+    prompt = [3, 4, 5, 6, 7, 8, 9]
+    whole = fresh.forward([fresh.acquire()], [torch.tensor(prompt)], logits=False)
+    busy = batched.acquire()
+    batched.forward([busy], [torch.tensor(prompt[:5] + [1, 1])], logits=False)
+    slot, cached = batched.acquire_cached(prompt, with_features=True)
+    assert (slot, cached) == (1, 5)
+    kept = batched.kept_features(slot, cached)
+    assert torch.equal(kept.layer_hidden, whole.layer_hidden[0, :5])
+    assert torch.equal(kept.last_hidden, whole.last_hidden[0, :5])
+    batched.forward([slot], [torch.tensor(prompt[5:])], logits=False)
+    assert torch.equal(batched.kept_features(slot, len(prompt)).layer_hidden, whole.layer_hidden[0])
+    target.set_capture_layers([])
+
+
 def test_prefix_reuse_is_off_where_bits_depend_on_the_cut():
     target = tiny_target(kernel="stock")  # stock kernels promise no row-by-row bits
     assert not target.splits_alike
@@ -238,7 +259,7 @@ def test_engine_schedulers_stay_lossless_tiny(scheduler):
 
 def test_engine_prefix_reuse_changes_no_token_and_counts_what_it_skipped():
     """Prompts opening alike (a system turn) through one slot after another: the same tokens with prefix reuse as
-    without, the held starts counted; a drafter of target features reuses nothing (it needs every position's)."""
+    without, the held starts counted; with a drafter of target features too, which then drafts as it did."""
     target = tiny_target(vocab_size=32, seed=3, kernel="few-rows")
     opening = [5, 6, 7, 8, 9, 10]
     prompts = [opening + tail for tail in ([11, 12], [13], [11, 12, 14], [15, 16])]
@@ -246,14 +267,18 @@ def test_engine_prefix_reuse_changes_no_token_and_counts_what_it_skipped():
     def run(drafter, prefix_caching):
         config = EngineConfig(max_batch=2, max_len=48, draft_length=3, prefix_caching=prefix_caching)
         engine = ContinuousEngine(target, drafter, config)
-        return [c.token_ids for c in _run(engine, prompts, 10)], engine.metrics.prefix_cached_tokens
+        completions = _run(engine, prompts, 10)
+        rounds = [c.stats.accepted_lengths for c in completions]
+        return [c.token_ids for c in completions], rounds, engine.metrics.prefix_cached_tokens
 
-    plain, none_cached = run(Drafter(), False)
-    reused, cached = run(Drafter(), True)
+    plain, _, none_cached = run(Drafter(), False)
+    reused, _, cached = run(Drafter(), True)
     assert reused == plain and none_cached == 0
     assert cached >= 2 * len(opening)  # the two waiting prompts found the opening at least
-    drafted, feature_cached = run(_tiny_dspark(target), True)
-    assert drafted == plain and feature_cached == 0
+    drafter = _tiny_dspark(target)  # reads target features: the kept starts come with theirs
+    drafted, rounds, feature_cached = run(drafter, True)
+    assert drafted == plain and feature_cached >= 2 * len(opening)
+    assert run(drafter, False)[1] == rounds  # its drafts were those of whole prefills
 
 
 def test_engine_refuses_what_can_never_fit_and_needs_confidences_for_prefix():

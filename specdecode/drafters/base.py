@@ -56,6 +56,14 @@ class TargetFeatures:
     last_hidden: torch.Tensor  # (n, H)
 
 
+def joined_features(parts: list[TargetFeatures]) -> TargetFeatures:
+    """Features of consecutive positions, one after another."""
+    if len(parts) == 1:
+        return parts[0]
+    layer_hidden = None if parts[0].layer_hidden is None else torch.cat([p.layer_hidden for p in parts])
+    return TargetFeatures(layer_hidden, torch.cat([p.last_hidden for p in parts]))
+
+
 EMPTY_PROPOSAL = Proposal(tokens=torch.empty(0, dtype=torch.long))
 
 

@@ -14,7 +14,10 @@ every layer; for a small target on a CPU the plain layout is enough.
 Prefix reuse: every slot knows the tokens its entries hold, and a released slot keeps them until it is taken
 again; `acquire_cached` gives a new prompt a free slot holding the longest start of it that any slot holds
 (copied over from a slot in use where needed: 23 KB a token for SmolLM2), and its prefill skips that start
-(every chat prompt opens with the same system turn; a conversation's next turn opens with the last).
+(every chat prompt opens with the same system turn; a conversation's next turn opens with the last). A drafter
+that reads target features needs them at every prompt position: with `keep_features` each slot also keeps the
+features of its first `FEATURE_SPAN` entries (captured layers and last hidden state, ~14 KB a token for SmolLM2
+with DSpark's five layers), and those starts are reused with them.
 Kept entries stand for a fresh prefill only where the target computes each token's bits however its sequence
 was cut into passes (`Target.splits_alike`); elsewhere nothing is reused.
 
@@ -37,11 +40,13 @@ from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams, greedy_tokens, probabilities
 from specdecode.verify import ChainResult, verify_block, verify_greedy
 
+FEATURE_SPAN = 256  # leading entries of a slot whose target features are kept (`keep_features`)
+
 
 class BatchedTarget:
     """A target run for many requests at once, each in its own KV slot; one `forward` is one batched pass."""
 
-    def __init__(self, target: Target, slots: int, max_len: int) -> None:
+    def __init__(self, target: Target, slots: int, max_len: int, keep_features: bool = False) -> None:
         if slots < 1:
             raise SpecDecodeError(f"the batch needs at least one slot, got {slots}")
         if not 2 <= max_len <= target.max_context:
@@ -55,6 +60,9 @@ class BatchedTarget:
         self.slots = slots
         self.max_len = max_len
         self._free = list(range(slots))
+        self.keep_features = keep_features
+        self.features: torch.Tensor | None = None  # (slots, FEATURE_SPAN, captured + hidden), made by the first pass
+        self.featured = [0] * slots  # leading entries of each slot whose features `features` holds
 
     # ---------------------------------------------------------------- slots
     @property
@@ -75,17 +83,20 @@ class BatchedTarget:
         self.rollback(slot, 0)
         return slot
 
-    def acquire_cached(self, tokens: list[int]) -> tuple[int, int]:
-        """A free slot holding the longest start of `tokens` that any slot holds, and its length: a prefill of
-        `tokens` may begin there (see the module docstring). The entries come from the slot itself where it is
-        free, else they are copied from the slot in use that holds them into the free slot that holds most of
-        them already (the lowest of equals). 0 where the target's bits depend on how a sequence is cut.
-        Between passes, where every slot holds committed tokens only."""
+    def acquire_cached(self, tokens: list[int], with_features: bool = False) -> tuple[int, int]:
+        """A free slot holding the longest start of `tokens` that any slot holds (`with_features`: and their
+        features, `kept_features`), and its length: a prefill of `tokens` may begin there (see the module
+        docstring). The entries come from the slot itself where it is free, else they are copied from the slot in
+        use that holds them into the free slot that holds most of them already (the lowest of equals). 0 where
+        the target's bits depend on how a sequence is cut. Between passes, where every slot holds committed tokens
+        only."""
         if not self._free:
             raise SpecDecodeError("every KV slot is in use")
         if not self.target.splits_alike:
             return self.acquire(), 0
         held = [common_start(kept, tokens) for kept in self.tokens]
+        if with_features:
+            held = [min(n, featured) for n, featured in zip(held, self.featured, strict=True)]
         source = max(range(self.slots), key=held.__getitem__)  # the first of the longest: the lowest slot
         slot = source if source in self._free else max(sorted(self._free), key=held.__getitem__)
         self._free.remove(slot)
@@ -93,9 +104,19 @@ class BatchedTarget:
         n = held[source]
         if n > held[slot]:
             self.cache.copy_entries(source, slot, held[slot], n)
+            if self.featured[source] >= n and self.featured[slot] >= held[slot]:
+                self.features[slot, held[slot] : n] = self.features[source, held[slot] : n]
+                self.featured[slot] = n
             self.lengths[slot] = n
             self.tokens[slot] = tokens[:n]
         return slot, n
+
+    def kept_features(self, slot: int, n: int) -> TargetFeatures:
+        """The target features of the slot's first `n` entries (n <= what `acquire_cached` found with them)."""
+        assert self.features is not None and self.featured[slot] >= n
+        width = self.features.shape[-1] - self.target.config.hidden_size
+        kept = self.features[slot, :n]
+        return TargetFeatures(kept[:, :width] if width else None, kept[:, width:])
 
     def release(self, slot: int) -> None:
         if slot in self._free:
@@ -109,6 +130,7 @@ class BatchedTarget:
         """Keep the slot's first `length` entries (never grows it)."""
         self.lengths[slot] = min(self.lengths[slot], length)
         del self.tokens[slot][self.lengths[slot] :]
+        self.featured[slot] = min(self.featured[slot], self.lengths[slot])
 
     def close(self) -> None:
         """Free the KV memory; no pass can run after this."""
@@ -130,10 +152,24 @@ class BatchedTarget:
         for r, row in enumerate(rows):
             ids[r, : len(row)] = row
         out = self.target.run(ids, self.cache, Rows.batch(slots, starts, counts), logits=logits)
-        for s, start, row in zip(slots, starts, rows, strict=True):
+        for r, (s, start, row) in enumerate(zip(slots, starts, rows, strict=True)):
             self.lengths[s] = start + len(row)
             self.tokens[s] += row.tolist()
+            if self.keep_features and self.featured[s] == start < FEATURE_SPAN:
+                self._keep_features(s, start, min(start + len(row), FEATURE_SPAN), out, r)
         return out
+
+    def _keep_features(self, slot: int, start: int, end: int, out: Output, r: int) -> None:
+        """Store row r's features of entries start .. end - 1 of `slot` (its captured layers, then its last hidden
+        state), the buffer made at the first pass."""
+        parts = [out.last_hidden[r, : end - start]]
+        if out.layer_hidden is not None:
+            parts.insert(0, out.layer_hidden[r, : end - start])
+        if self.features is None:
+            width = sum(part.shape[-1] for part in parts)
+            self.features = parts[0].new_zeros(self.slots, FEATURE_SPAN, width)
+        self.features[slot, start:end] = torch.cat(parts, dim=-1)
+        self.featured[slot] = end
 
 
 def common_start(a: list[int], b: list[int]) -> int:

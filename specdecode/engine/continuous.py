@@ -35,7 +35,7 @@ from typing import TypeVar
 
 import torch
 
-from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
+from specdecode.drafters.base import Drafter, Proposal, TargetFeatures, joined_features
 from specdecode.drafters.yields import DraftYield
 from specdecode.engine.batch import BatchedTarget, VerifyRow, profile_batched_pass, verify_batch
 from specdecode.engine.decode import Completion, stream_safe
@@ -170,7 +170,10 @@ class ContinuousEngine:
             raise SpecDecodeError(f"draft length must be >= 0, got {config.draft_length}")
         drafter.check_target(target)
         self.target, self.drafter, self.config = target, drafter, config
-        self.batched = BatchedTarget(target, config.max_batch, config.max_len)
+        # a drafter of target features needs them at every prompt position: prefix reuse keeps them beside the cache
+        self._with_features = bool(drafter.target_layer_ids)
+        keep_features = config.prefix_caching and self._with_features
+        self.batched = BatchedTarget(target, config.max_batch, config.max_len, keep_features)
         target.set_capture_layers(drafter.target_layer_ids)
         if config.scheduler == "prefix" and steps_per_s is None:
             max_tokens = config.max_batch * (1 + config.draft_length)
@@ -324,16 +327,17 @@ class ContinuousEngine:
             return
         start = time.perf_counter()
         prompt = request.prompt_ids
-        # a drafter of target features needs them at every prompt position, and a kept slot has none
-        if self.config.prefix_caching and not self.drafter.target_layer_ids:
-            slot, cached = self.batched.acquire_cached(prompt[:-1])
+        if self.config.prefix_caching:
+            slot, cached = self.batched.acquire_cached(prompt[:-1], self._with_features)
         else:
             slot, cached = self.batched.acquire(), 0
-        features = None
+        parts = [self.batched.kept_features(slot, cached)] if cached and self._with_features else []
         if len(prompt) - 1 > cached:
             out = self.batched.forward([slot], [torch.tensor(prompt[cached:-1])], logits=False)
             layer_hidden = None if out.layer_hidden is None else out.layer_hidden[0]
-            features = None if cached else TargetFeatures(layer_hidden, out.last_hidden[0])
+            parts.append(TargetFeatures(layer_hidden, out.last_hidden[0]))
+        # the features of every prompt position but the last, or none: a drafter that reads none kept none
+        features = joined_features(parts) if parts and (self._with_features or not cached) else None
         generator = torch.Generator().manual_seed(request.seed)
         drafter = copy.copy(self.drafter)
         drafter.begin(list(prompt), request.params, generator, features)
