@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--no-prefix-caching",
         action="store_true",
-        help="prefill every prompt whole, even where a free KV slot holds its start (a drafter of no features)",
+        help="prefill every prompt whole, even where a KV slot holds its start (same outputs either way)",
     )
     sv.add_argument("--max-batch", type=int, default=8, help="requests in the running batch (KV slots)")
     sv.add_argument("--max-len", type=int, default=2048, help="tokens per request: prompt + completion")

@@ -63,7 +63,7 @@ class EngineConfig:
     scheduler: str = "fixed"  # prefix | threshold | fixed
     threshold: float = 0.5
     gate: bool = True  # with the prefix scheduler: skip drafting in steps where it is not expected to pay
-    prefix_caching: bool = True  # a prompt's prefill skips the start a free KV slot holds (drafters of no features)
+    prefix_caching: bool = True  # a prompt's prefill skips the start a KV slot holds (engine/batch.py)
 
 
 class RequestHandle:
