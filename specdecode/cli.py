@@ -247,6 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--repeats", type=int, default=1, help="regeneration with and without prefix reuse, alternating")
     bt.add_argument("--out", default="docs/results")
 
+    bpr = bsub.add_parser("prefix-reuse", help="a chat's next turn's time to first token with prefix reuse and without")
+    _add_target_args(bpr)
+    bpr.add_argument("--conversations", type=int, default=10, help="MT-Bench's two-turn conversations")
+    bpr.add_argument("--max-tokens", type=int, default=128, help="tokens each answer may hold")
+    bpr.add_argument("--repeats", type=int, default=2, help="runs of each setting, alternating")
+    bpr.add_argument("--out", default="docs/results")
+    bpr.add_argument("--name", default="prefix_reuse", help="results file name under --out")
+
     bsc = bsub.add_parser("scaling", help="held-out accepted length against training tokens, from finished runs")
     bsc.add_argument("--runs", nargs="+", required=True, help="run folders of `specdecode train --max-conversations N`")
     bsc.add_argument("--keep", default=None, help="an earlier dspark_scaling.json whose other rows stay in the curve")
@@ -667,6 +675,12 @@ def cmd_bench(args) -> None:
             args.max_new_tokens,
             args.out,
             args.name,
+        )
+    elif args.bench == "prefix-reuse":
+        from specdecode.evaluation.prefix_reuse_bench import run_prefix_reuse
+
+        run_prefix_reuse(
+            _load_target(args), args.out, args.conversations, args.max_tokens, args.repeats, name=args.name
         )
     elif args.bench == "scaling":
         from specdecode.evaluation.scaling import run_scaling

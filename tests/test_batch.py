@@ -1,5 +1,6 @@
 """The batched verify pass and the continuous-batching engine: batching must not change what each request gets."""
 
+import json
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ from specdecode.engine.batch import BatchedTarget, VerifyRow, profile_batched_pa
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
+from specdecode.evaluation.prefix_reuse_bench import run_prefix_reuse
 from specdecode.sampling import SamplingParams
 from specdecode.training.recipes import build_block_drafter
 from tests.conftest import tiny_target
@@ -279,6 +281,18 @@ def test_engine_prefix_reuse_changes_no_token_and_counts_what_it_skipped():
     drafted, rounds, feature_cached = run(drafter, True)
     assert drafted == plain and feature_cached >= 2 * len(opening)
     assert run(drafter, False)[1] == rounds  # its drafts were those of whole prefills
+
+
+def test_prefix_reuse_bench_reuses_a_chats_first_turn_with_the_same_answers(tmp_path):
+    target = tiny_target(kernel="few-rows")
+    target.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    chats = [["t3 t4 t5 t6", "t7 t8"], ["t9 t10 t11", "t12"]]
+    run_prefix_reuse(target, str(tmp_path), max_tokens=6, repeats=1, chats=chats)
+    doc = json.loads((tmp_path / "prefix_reuse.json").read_text())
+    rows = {(r["prefix_caching"], r["turn"]): r for r in doc["runs"]}
+    assert rows[True, 2]["reused_tokens"] >= rows[True, 1]["prompt_tokens"]  # the whole first prompt at least
+    assert rows[False, 2]["reused_tokens"] == 0 and all(r["same_answers"] for r in doc["runs"])
+    assert "| on | 2 | 2 |" in (tmp_path / "prefix_reuse.md").read_text()
 
 
 def test_engine_refuses_what_can_never_fit_and_needs_confidences_for_prefix():
