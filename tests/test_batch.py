@@ -171,6 +171,21 @@ def test_prefix_reuse_keeps_the_features_of_a_slots_start():
     target.set_capture_layers([])
 
 
+def test_prefix_reuse_leaves_a_conversation_for_its_next_turn():
+    """Of free slots holding as much of a new prompt, the one holding least besides is taken: a chat's history
+    waits in its slot for the chat's next turn."""
+    target = tiny_target(kernel="few-rows")
+    batched = BatchedTarget(target, slots=2, max_len=32)
+    history, other = [5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 20]
+    for tokens in (history, other):
+        slot = batched.acquire()
+        batched.forward([slot], [torch.tensor(tokens)], logits=False)
+    batched.release(0)
+    batched.release(1)
+    assert batched.acquire_cached([5, 6, 7, 30, 31]) == (1, 3)  # both hold [5, 6, 7]: slot 1 holds less
+    assert batched.acquire_cached(history + [40]) == (0, len(history))
+
+
 def test_prefix_reuse_is_off_where_bits_depend_on_the_cut():
     target = tiny_target(kernel="stock")  # stock kernels promise no row-by-row bits
     assert not target.splits_alike
