@@ -275,6 +275,7 @@ def run_serving_bench(
                         "scheduler": scheduler,
                         "drafting_gate": gate,
                         "steps_without_drafting": engine.metrics.steps_without_drafting,
+                        "prefix_cached_tokens": engine.metrics.prefix_cached_tokens,
                         "checkpoint": drafter_spec if label != "none" else None,
                         "benchmark": benchmark,
                         "temperature": 0.0,
