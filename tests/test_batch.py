@@ -310,6 +310,27 @@ def test_prefix_reuse_bench_reuses_a_chats_first_turn_with_the_same_answers(tmp_
     assert "| on | 2 | 2 |" in (tmp_path / "prefix_reuse.md").read_text()
 
 
+def test_engine_admits_a_front_request_first_and_it_finds_its_conversation():
+    """A conversation's next turn, sent with `front` as the last one ends, goes before the queued requests and takes
+    the slot that still holds the conversation (one slot here: B waits for it)."""
+    target = tiny_target(vocab_size=32, seed=3, kernel="few-rows")
+    engine = ContinuousEngine(target, Drafter(), EngineConfig(max_batch=1, max_len=48, draft_length=0))
+    order, first = [], [5, 6, 7, 8]
+
+    def next_turn(done):
+        order.append("A")
+        engine.submit(first + done.token_ids + [9], GREEDY, 4, on_done=lambda _: order.append("C"), front=True)
+
+    def work():
+        a = engine.submit(first, GREEDY, 4, on_done=next_turn)
+        engine.submit([10, 11, 12], GREEDY, 4, on_done=lambda _: order.append("B")).result(timeout=60)
+        return a.result(timeout=60)
+
+    answer = engine.drive(work)
+    assert order == ["A", "C", "B"]
+    assert engine.metrics.prefix_cached_tokens >= len(first) + len(answer.token_ids) - 1
+
+
 def test_engine_refuses_what_can_never_fit_and_needs_confidences_for_prefix():
     target = tiny_target()
     engine = ContinuousEngine(target, NgramDrafter(), EngineConfig(max_batch=1, max_len=16))

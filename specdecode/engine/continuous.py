@@ -269,15 +269,21 @@ class ContinuousEngine:
         on_done: Callable[[Completion | Exception], None] | None = None,
         on_round: Callable[[dict], None] | None = None,
         speculate: bool = True,
+        front: bool = False,
     ) -> RequestHandle:
-        """Queue a request; it joins the running batch when a slot is free. Raises for one that can never fit."""
+        """Queue a request; it joins the running batch when a slot is free. Raises for one that can never fit.
+        `front`: before every queued request (a conversation's next turn, sent as its last one ends: the slot that
+        turn leaves still holds the conversation so far, for prefix reuse)."""
         self.check_fits(len(prompt_ids), max_tokens)
         handle = RequestHandle(next(self._ids), on_text, on_done, on_round)
         with self._cond:
             if self._closing:
                 raise SpecDecodeError("the engine is shutting down and takes no new requests")
             request = _Request(handle, list(prompt_ids), params, max_tokens, tuple(stop), seed, speculate)
-            self._queue.append(request)
+            if front:
+                self._queue.appendleft(request)
+            else:
+                self._queue.append(request)
             with self.metrics.lock:
                 self.metrics.queue_length = len(self._queue)
             self._cond.notify_all()

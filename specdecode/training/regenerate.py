@@ -123,8 +123,9 @@ def regenerate(
     answered: queue.Queue = queue.Queue()
     chats: dict[str, list[dict]] = {}
 
-    def ask(index: int, conversation: Conversation, turn: int) -> bool:
-        """Queue the conversation's next user turn; False when it no longer fits a slot."""
+    def ask(index: int, conversation: Conversation, turn: int, front: bool = False) -> bool:
+        """Queue the conversation's next user turn (`front`: before every queued one); False when it no longer fits
+        a slot."""
         chat = chats.setdefault(conversation.id, [])
         chat.append({"role": "user", "content": conversation.turns[turn]})
         prompt = target.encode_chat(chat)
@@ -137,27 +138,37 @@ def regenerate(
             params,
             room,
             seed=derived_seed(settings.seed, index, turn),
-            on_done=lambda outcome: answered.put((index, conversation, turn, outcome)),
+            on_done=lambda outcome: answer(index, conversation, turn, outcome),
+            front=front,
         )
         return True
+
+    def answer(index: int, conversation: Conversation, turn: int, outcome: object) -> None:
+        """On the engine thread, as a turn ends: its answer joins the chat and the next turn goes to the front of the
+        queue at once, so it is admitted before another request takes the slot that still holds the conversation
+        so far (prefix reuse); a later turn that does not fit ends the conversation with the turns answered."""
+        more = False
+        if not isinstance(outcome, Exception):
+            chats[conversation.id].append({"role": "assistant", "content": outcome.text.strip()})
+            more = turn + 1 < len(conversation.turns) and ask(index, conversation, turn + 1, front=True)
+        answered.put((conversation, outcome, more))
 
     writer = _ShardWriter(out, settings.shard_size)
     bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="regenerate", unit="conv")
     new_tokens, start = 0, time.perf_counter()
 
     def collect() -> int:
-        """Hand out turns and write finished conversations (beside the engine loop); returns those skipped."""
+        """Hand out first turns and write finished conversations (beside the engine loop); returns those skipped."""
         nonlocal new_tokens
         waiting = sum(ask(index, conversation, 0) for index, conversation in todo)
         skipped = len(todo) - waiting
         while waiting:
-            index, conversation, turn, outcome = answered.get()
+            conversation, outcome, more = answered.get()
             if isinstance(outcome, Exception):
                 raise outcome
-            chats[conversation.id].append({"role": "assistant", "content": outcome.text.strip()})
             new_tokens += len(outcome.token_ids)
-            if turn + 1 < len(conversation.turns) and ask(index, conversation, turn + 1):
-                continue  # a later turn that does not fit ends the conversation with the turns answered so far
+            if more:
+                continue
             writer.write({"id": conversation.id, "source": conversation.source, "messages": chats.pop(conversation.id)})
             waiting -= 1
             bar.update(1)
