@@ -1,11 +1,12 @@
 """`specdecode bench training`: regeneration tokens/s (batched vs one at a time) and trainer tokens/s.
 
-Regeneration: single-turn prompts answered at batch size 1 and at larger batches (at least two prompts
-per row, so a batch stays full), in fresh folders, each batch size with prefix reuse (`engine/batch.py`) and
-without, alternating `repeats` times (medians, and the median of each repeat's ratio). Training: a few steps of
-the real trainer on those answers: the trainer as issue #15 found it (offline features, the target's whole
-vocabulary, float32) beside today's (the reduced draft vocabulary, bfloat16 products, offline and online
-features); tokens/s counts supervised tokens (what the drafter learns from), as the trainer logs them.
+Regeneration: math and code prompts (about one in five with a second turn) answered at batch size 1 and at
+larger batches (at least two prompts per row, so a batch stays full), in fresh folders, each batch size with
+prefix reuse (`engine/batch.py`) and without, alternating `repeats` times (medians, and the median of each
+repeat's ratio). Training: a few steps of the real trainer on those answers: the trainer as issue #15 found it
+(offline features, the target's whole vocabulary, float32) beside today's (the reduced draft vocabulary,
+bfloat16 products, offline and online features); tokens/s counts supervised tokens (what the drafter learns
+from), as the trainer logs them.
 """
 
 import statistics
