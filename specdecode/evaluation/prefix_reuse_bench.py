@@ -63,7 +63,8 @@ def run_prefix_reuse(
 
 def _converse(target: Target, chats: list[list[str]], max_tokens: int, reuse: bool) -> list[dict]:
     """Every conversation, turn after turn, greedy through one engine; a record per turn."""
-    engine = ContinuousEngine(target, Drafter(), EngineConfig(4, target.max_context, 0, prefix_caching=reuse))
+    config = EngineConfig(4, min(2048, target.max_context), 0, prefix_caching=reuse)
+    engine = ContinuousEngine(target, Drafter(), config)
     records: list[dict] = []
 
     def talk() -> None:
