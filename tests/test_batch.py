@@ -161,7 +161,7 @@ def test_prefix_reuse_keeps_the_features_of_a_slots_start():
     whole = fresh.forward([fresh.acquire()], [torch.tensor(prompt)], logits=False)
     busy = batched.acquire()
     batched.forward([busy], [torch.tensor(prompt[:5] + [1, 1])], logits=False)
-    slot, cached = batched.acquire_cached(prompt, with_features=True)
+    slot, cached = batched.acquire_cached(prompt)
     assert (slot, cached) == (1, 5)
     kept = batched.kept_features(slot, cached)
     assert torch.equal(kept.layer_hidden, whole.layer_hidden[0, :5])

@@ -83,8 +83,8 @@ class BatchedTarget:
         self.rollback(slot, 0)
         return slot
 
-    def acquire_cached(self, tokens: list[int], with_features: bool = False) -> tuple[int, int]:
-        """A free slot holding the longest start of `tokens` that any slot holds (`with_features`: and their
+    def acquire_cached(self, tokens: list[int]) -> tuple[int, int]:
+        """A free slot holding the longest start of `tokens` that any slot holds (with `keep_features`: and their
         features, `kept_features`), and its length: a prefill of `tokens` may begin there (see the module
         docstring). The entries come from the slot itself where it is free, else they are copied from the slot in
         use that holds them into the free slot that holds most of them already; of equal free slots the one
@@ -96,7 +96,7 @@ class BatchedTarget:
         if not self.target.splits_alike:
             return self.acquire(), 0
         held = [common_start(kept, tokens) for kept in self.tokens]
-        if with_features:
+        if self.keep_features:
             held = [min(n, featured) for n, featured in zip(held, self.featured, strict=True)]
         slot = min(self._free, key=lambda s: (-held[s], len(self.tokens[s]), s))
         longest = max(held)
@@ -106,7 +106,7 @@ class BatchedTarget:
         n = held[source]
         if n > held[slot]:
             self.cache.copy_entries(source, slot, held[slot], n)
-            if self.featured[source] >= n and self.featured[slot] >= held[slot]:
+            if self.keep_features:  # `held` counted only entries with features: both slots have them
                 self.features[slot, held[slot] : n] = self.features[source, held[slot] : n]
                 self.featured[slot] = n
             self.lengths[slot] = n

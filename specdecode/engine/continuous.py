@@ -334,7 +334,7 @@ class ContinuousEngine:
         start = time.perf_counter()
         prompt = request.prompt_ids
         if self.config.prefix_caching:
-            slot, cached = self.batched.acquire_cached(prompt[:-1], self._with_features)
+            slot, cached = self.batched.acquire_cached(prompt[:-1])
         else:
             slot, cached = self.batched.acquire(), 0
         parts = [self.batched.kept_features(slot, cached)] if cached and self._with_features else []
