@@ -14,9 +14,11 @@ from specdecode.engine.continuous import ContinuousEngine, EngineConfig
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.prefix_reuse_bench import run_prefix_reuse
+from specdecode.models.linear import EIGHT_BIT_INPUTS
 from specdecode.sampling import SamplingParams
 from specdecode.training.recipes import build_block_drafter
-from tests.conftest import tiny_target
+from tests.conftest import needs_q8_rows, tiny_target
+from tests.test_dspark import loop_drafter
 
 GREEDY = SamplingParams()
 
@@ -394,12 +396,18 @@ def test_drive_steps_on_the_calling_thread_and_hands_back_the_work():
     assert failing.batched.cache is None and failing.metrics.requests["finished"] == 0
 
 
-@pytest.mark.parametrize("drafter_kind", ["ngram", "dspark"])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "dspark", pytest.param("dspark-cpp-loop", marks=needs_q8_rows)])
 def test_engine_sampling_follows_each_requests_seed(drafter_kind):
     """Temperature 1: each request draws from its own seeded generator exactly as the one-request loop does,
-    so batching with other requests leaves its tokens unchanged (same seed, same tokens)."""
+    so batching with other requests leaves its tokens unchanged (same seed, same tokens); also where the drafter
+    runs on the CPU's path (its C++ layer loop over 8-bit kernels, batched rounds row by row)."""
     target = tiny_target(vocab_size=32, seed=3)
-    drafter = _tiny_dspark(target) if drafter_kind == "dspark" else NgramDrafter()
+    drafters = {
+        "ngram": NgramDrafter,
+        "dspark": lambda: _tiny_dspark(target),
+        "dspark-cpp-loop": lambda: loop_drafter(target, EIGHT_BIT_INPUTS),
+    }
+    drafter = drafters[drafter_kind]()
     params = SamplingParams(temperature=1.0, top_p=0.9)
     prompts = [[3, 4, 5, 3, 4], [7, 8], [9, 9, 9, 9]]
     references = [
