@@ -20,10 +20,11 @@ MIN_CAPACITY = 256  # entries per slot of a new pool
 
 
 class ContextPool:
-    """Context keys and values (layers, slots, kv_heads, capacity, head_dim) of `layers` drafter layers."""
+    """Context keys and values (layers, slots, kv_heads, capacity, head_dim) of `layers` drafter layers, held in
+    `dtype` (None: that of the first features projected into it)."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int) -> None:
-        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype | None = None) -> None:
+        self.layers, self.kv_heads, self.head_dim, self.dtype = layers, kv_heads, head_dim, dtype
         self.cache: KVCache | None = None
         self.owners: list[weakref.ref | None] = []
 
@@ -47,8 +48,9 @@ class ContextPool:
         """The cache, with a slot for every slot handed out and room for `entries` in each (made, or doubled)."""
         slots = max(len(self.owners), 1)
         if self.cache is None:
+            dtype = self.dtype or like.dtype
             self.cache = KVCache(
-                self.layers, slots, self.kv_heads, self.head_dim, max(entries, MIN_CAPACITY), like.dtype, like.device
+                self.layers, slots, self.kv_heads, self.head_dim, max(entries, MIN_CAPACITY), dtype, like.device
             )
         elif entries > self.cache.capacity or slots > self.cache.slots:
             self.cache.grow(_doubled(entries, self.cache.capacity), _doubled(slots, self.cache.slots))

@@ -276,7 +276,8 @@ class BlockDrafter(Drafter):
         self.name = model.config.kind
         self.target_layer_ids = list(model.config.target_layer_ids)
         self.kernels = BlockKernels.of(model)  # inference on the C++ kernels, where they run (block_kernels.py)
-        self.pool = ContextPool(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
+        dtype = None if self.kernels is None else self.kernels.cache_dtype
+        self.pool = ContextPool(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, dtype)
         self.slot: int | None = None  # this request's slot of the pool (a copy takes its own in `begin`)
 
     @property
@@ -403,8 +404,8 @@ def _context_and_mask(cache: KVCache, slots: list[int], lengths: list[int], bloc
     mask (R, 1, block, longest + block) that hides the padding (None for a single request)."""
     longest = max(lengths)
     index = torch.tensor(slots)
-    kv = [
-        (keys[index, :, :longest], values[index, :, :longest])
+    kv = [  # float32 for SDPA beside float32 queries, where the pool holds bfloat16
+        (keys[index, :, :longest].float(), values[index, :, :longest].float())
         for keys, values in zip(cache.keys, cache.values, strict=True)
     ]
     if len(lengths) == 1:
