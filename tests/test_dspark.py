@@ -347,7 +347,7 @@ def test_the_cpp_kernels_draft_what_the_python_path_drafts(qk_norm, kernel, mark
     if not kernel.startswith("few-rows"):  # the Python backbone ran, on the library kernel; the context K/V are checked
         return
     with torch.inference_mode():
-        want_states = model.backbone(inputs, positions, *_context_and_mask(cache, slots, starts, g))
+        want_states = model.backbone(inputs, positions, *_context_and_mask(cache, slots, starts, g, inputs.dtype))
         got_states = drafter.kernels.backbone(inputs, positions, cache, slots, starts)
     torch.testing.assert_close(got_states, want_states, **close)
 

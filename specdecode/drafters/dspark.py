@@ -355,7 +355,7 @@ class BlockDrafter(Drafter):
         if kernels is not None and kernels.loop_kernel(len(rows) * g):
             h = kernels.backbone(inputs, positions, cache, slots, starts)
         else:
-            h = model.backbone(inputs, positions, *_context_and_mask(cache, slots, starts, g))
+            h = model.backbone(inputs, positions, *_context_and_mask(cache, slots, starts, g, inputs.dtype))
         h = model.prediction_states(h)
 
         drawn_from: dict[int, list[torch.Tensor]] = {r: [] for r in rows}  # q of each sampled draft
@@ -399,13 +399,14 @@ def _pool_slots(drafters: list[BlockDrafter]) -> tuple[KVCache, list[int], list[
     return pool.cache, [d.slot for d in drafters], [d.length for d in drafters]
 
 
-def _context_and_mask(cache: KVCache, slots: list[int], lengths: list[int], block_size: int):
-    """Every layer's context K/V (R, kvh, longest, d) of these slots for the Python backbone, and the attention
-    mask (R, 1, block, longest + block) that hides the padding (None for a single request)."""
+def _context_and_mask(cache: KVCache, slots: list[int], lengths: list[int], block_size: int, dtype: torch.dtype):
+    """Every layer's context K/V (R, kvh, longest, d) of these slots for the Python backbone, in the block's
+    `dtype` (the pool may hold bfloat16 beside float32 queries), and the attention mask (R, 1, block, longest +
+    block) that hides the padding (None for a single request)."""
     longest = max(lengths)
     index = torch.tensor(slots)
-    kv = [  # float32 for SDPA beside float32 queries, where the pool holds bfloat16
-        (keys[index, :, :longest].float(), values[index, :, :longest].float())
+    kv = [
+        (keys[index, :, :longest].to(dtype), values[index, :, :longest].to(dtype))
         for keys, values in zip(cache.keys, cache.values, strict=True)
     ]
     if len(lengths) == 1:
