@@ -77,7 +77,7 @@ class BlockKernels:
         """The context pool's: bfloat16 where the linears take 8-bit inputs (a rounding of bfloat16's class
         already) and the CPU reads bfloat16 natively, as the target runner's KV cache (`LlamaRunner.cache_dtype`);
         the C++ attention then multiplies keys and values in pairs. One request's round after a target pass,
-        shipped DSpark, Zen 4 EPYC: 1.15 -> 1.13 / 1.59 -> 1.49 / 1.83 -> 1.59 ms at 128 / 512 / 1,024 cached tokens.
+        shipped DSpark, Zen 4 EPYC: 1.12 -> 1.09 / 1.57 -> 1.43 / 1.73 -> 1.55 ms at 128 / 512 / 1,024 cached tokens.
         None: the features' own dtype."""
         linears = [self.fc, self.context_kv_linear, *(p for parts in self.layer_parts for p in parts)]
         eight_bit = any(isinstance(p, Linear) and EIGHT_BIT_INPUTS in p.plan.values() for p in linears)
