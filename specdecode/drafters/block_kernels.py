@@ -20,12 +20,11 @@ from torch import Tensor
 
 from specdecode.drafters.layers import FrozenRMSNorm
 from specdecode.models.linear import (
-    EIGHT_BIT_INPUTS,
     FrozenLinear,
     Linear,
     cpu_kernels_available,
     kernel_weights_on_huge_pages,
-    native_bfloat16,
+    rounded_cache_dtype,
 )
 from specdecode.models.llama import KVCache
 from specdecode.sampling import SamplingParams
@@ -74,14 +73,11 @@ class BlockKernels:
 
     @property
     def cache_dtype(self) -> torch.dtype | None:
-        """The context pool's: bfloat16 where the linears take 8-bit inputs (a rounding of bfloat16's class
-        already) and the CPU reads bfloat16 natively, as the target runner's KV cache (`LlamaRunner.cache_dtype`);
-        the C++ attention then multiplies keys and values in pairs. One request's round after a target pass,
-        shipped DSpark, Zen 4 EPYC: 1.12 -> 1.09 / 1.57 -> 1.43 / 1.73 -> 1.55 ms at 128 / 512 / 1,024 cached tokens.
-        None: the features' own dtype."""
-        linears = [self.fc, self.context_kv_linear, *(p for parts in self.layer_parts for p in parts)]
-        eight_bit = any(isinstance(p, Linear) and EIGHT_BIT_INPUTS in p.plan.values() for p in linears)
-        return torch.bfloat16 if eight_bit and native_bfloat16() else None
+        """The context pool's, by the target runner's KV cache rule (`rounded_cache_dtype`). One request's round
+        after a target pass, shipped DSpark, Zen 4 EPYC: 1.12 -> 1.09 / 1.57 -> 1.43 / 1.73 -> 1.55 ms at 128 / 512
+        / 1,024 cached tokens. None: the features' own dtype."""
+        layers = [p for parts in self.layer_parts for p in parts if isinstance(p, Linear)]
+        return rounded_cache_dtype([self.fc, self.context_kv_linear, *layers])
 
     @classmethod
     def of(cls, model) -> "BlockKernels | None":

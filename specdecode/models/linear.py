@@ -33,6 +33,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -125,6 +126,19 @@ def machine_key() -> str:
 def native_bfloat16() -> bool:
     """Whether the CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_model_and_flags()[1])
+
+
+def plans_eight_bit_inputs(linears: "Iterable[Linear]") -> bool:
+    """Whether the plan runs some of these linears on inputs rounded to 8 bits (where it found them faster)."""
+    return any(EIGHT_BIT_INPUTS in lin.plan.values() for lin in linears)
+
+
+def rounded_cache_dtype(linears: "Iterable[Linear]") -> torch.dtype | None:
+    """bfloat16 for the keys and values of a network whose linears take 8-bit inputs (already a rounding of
+    bfloat16's class) on a CPU that reads bfloat16 natively, where the C++ attention multiplies them in pairs over
+    half the bytes; None elsewhere (the caller's own dtype). The target runner's KV cache and a block drafter's
+    context pool both follow it."""
+    return torch.bfloat16 if plans_eight_bit_inputs(linears) and native_bfloat16() else None
 
 
 BFLOAT16, FLOAT32, ROWS_8_BIT = "bfloat16", "float32", "float32 with Q4_1 rows"  # the weight formats timed

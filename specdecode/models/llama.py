@@ -23,8 +23,9 @@ from specdecode.models.linear import (
     Linear,
     cpu_kernels_available,
     kernel_weights_on_huge_pages,
-    native_bfloat16,
     plan_kernels,
+    plans_eight_bit_inputs,
+    rounded_cache_dtype,
 )
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -343,7 +344,7 @@ class LlamaRunner:
         # C++ attention, SDPA for other masks) widens the same rounded entries, so verify = steps still holds.
         # bfloat16 entries too where the linears take 8-bit inputs (a rounding of bfloat16's class already) and
         # the CPU reads bfloat16 natively: 64 requests at 1,024 tokens read 3 GB of float32 entries a step
-        self.cache_dtype = torch.bfloat16 if self.eight_bit_inputs and native_bfloat16() else weights
+        self.cache_dtype = rounded_cache_dtype(self.linears()) or weights
         # the C++ layer loop (csrc/decoder_layers.cpp) runs the layers of the model types it covers
         plain = all(lin.bias is None for lin in self.linears()) and all(lay.q_norm is None for lay in self.layers)
         self.layer_weights: dict[str, list[torch.Tensor]] = {}  # per few-rows kernel
@@ -357,7 +358,7 @@ class LlamaRunner:
     @property
     def eight_bit_inputs(self) -> bool:
         """Whether the plan runs some of the linears on inputs rounded to 8 bits (where it found them faster)."""
-        return any(EIGHT_BIT_INPUTS in lin.plan.values() for lin in self.linears())
+        return plans_eight_bit_inputs(self.linears())
 
     @property
     def splits_alike(self) -> bool:
