@@ -11,6 +11,8 @@ any real mistake (a wrong position, mask or cache entry) moves logits by whole u
 import contextlib
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from specdecode.models.linear import (
     ROWS_8_BIT,
     FrozenLinear,
     Linear,
+    build_lock,
     cpu_kernels_available,
     freeze_linears,
     native_bfloat16,
@@ -627,6 +630,35 @@ def test_a_plan_measured_beside_other_processes_is_not_cached(tmp_path, monkeypa
     assert set(plan["choice"]) == set(ROW_BUCKETS) and not list(tmp_path.glob("specdecode/kernel-plans/*.json"))
     monkeypatch.setattr(linear_module, "_time_sweeps", None)  # the same model planned again in this process:
     assert plan_kernels(linears, "auto", {"test": "loaded"}, reps=1)["choice"] == plan["choice"]  # not re-timed
+
+
+def _hold_build_lock(build, seconds: float) -> subprocess.Popen:
+    """Another process that takes the kernels' build lock, leaves torch's lock file as a build does, sleeps, then
+    marks that it slept."""
+    code = (
+        "import fcntl, pathlib, sys, time; d = pathlib.Path(sys.argv[1]); h = open(d / 'specdecode.lock', 'w'); "
+        "fcntl.flock(h, fcntl.LOCK_EX); (d / 'lock').touch(); print('held', flush=True); "
+        "time.sleep(float(sys.argv[2])); (d / 'slept').touch()"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(build), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_a_build_killed_midway_does_not_block_the_next_and_a_live_one_is_waited_for(tmp_path, capsys):
+    """torch's lock file, left behind by a build killed midway, made every later process wait forever (stop 71:
+    a timeout during the first build); under specdecode's flock it is stale and goes. A live build is waited for."""
+    killed = _hold_build_lock(tmp_path, 60)
+    killed.kill()
+    killed.wait()
+    with build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert "waiting" not in capsys.readouterr().err
+    live = _hold_build_lock(tmp_path, 1.0)
+    with build_lock(tmp_path):
+        assert (tmp_path / "slept").exists() and not (tmp_path / "lock").exists()  # entered once the holder was done
+    live.wait()
+    assert "waiting for another process building" in capsys.readouterr().err
 
 
 def test_one_request_cache_grows_past_its_first_capacity():

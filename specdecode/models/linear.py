@@ -26,6 +26,8 @@ the rows to bfloat16 at one row count, the widening kernel kept them float32 at 
 flipped (n-gram matched bfloat16 normal decoding on 6 of 12 prompts).
 """
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -33,7 +35,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -78,20 +80,24 @@ def cpu_kernels_available() -> bool:
     from torch.utils.cpp_extension import load
 
     sources = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
-    build = cache_dir() / "kernels" / kernels_digest()
+    # a build per checkout and environment too: ninja rebuilds when the sources' or torch's paths change, and a
+    # clean clone's CI run then cost the working tree a rebuild of ~2-4 minutes, and back
+    where = stable_digest([str(sources[0].parent), sys.prefix])[:8]
+    build = cache_dir() / "kernels" / f"{kernels_digest()}-{where}"
     build.mkdir(parents=True, exist_ok=True)
     fresh = not any(build.glob("*.so"))
     if fresh:
         print("specdecode: building the runner's C++ kernels for this machine (once, about a minute)", file=sys.stderr)
     try:
-        load(
-            "specdecode_runner_kernels",
-            [str(s) for s in sources],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            is_python_module=False,
-        )
+        with build_lock(build):
+            load(
+                "specdecode_runner_kernels",
+                [str(s) for s in sources],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                is_python_module=False,
+            )
     except Exception as e:  # no compiler, no ninja, an unusual platform: the stock kernels remain
         print(
             f"specdecode: the runner's C++ kernels did not build ({type(e).__name__}); using stock kernels",
@@ -99,6 +105,22 @@ def cpu_kernels_available() -> bool:
         )
         return False
     return True
+
+
+@contextlib.contextmanager
+def build_lock(build: Path) -> Iterator[None]:
+    """Held while this process builds or loads the kernels in `build`. torch's own lock there is a file that a
+    build killed midway (Ctrl-C on a first run) leaves behind, and every later process then waited for it
+    forever, silently; this one is an flock, which the kernel releases when its holder dies, so a torch lock
+    found while holding it is stale and goes."""
+    with open(build / "specdecode.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print("specdecode: waiting for another process building the runner's C++ kernels", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        yield
 
 
 @functools.cache
