@@ -918,8 +918,9 @@ def cmd_serve(args) -> None:
     from specdecode.drafters import build_drafter
     from specdecode.engine.continuous import ContinuousEngine, EngineConfig
     from specdecode.engine.scheduler import has_confidences, resolve_scheduler
-    from specdecode.serving.app import serve
+    from specdecode.serving.app import check_address, serve
 
+    check_address(args.host, args.port)
     target = _load_target(args)
     drafter = build_drafter(args.drafter, target)
     scheduler = resolve_scheduler(args.scheduler, drafter)

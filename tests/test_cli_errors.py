@@ -8,6 +8,7 @@ entry point's exit status and stderr are held to the same promise.
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -94,6 +95,8 @@ VALIDATION_CASES = [
     (["data", "self-prompts", "--out", "o", "--top-p", "0"], "top_p"),
     (["bench", "drafting", "--requests", "0,2"], "--requests must be integers >= 1"),
     (["bench", "drafting", "--contexts", "99999", "--out", "o"], "passes smollm2-135m's context of 8192"),
+    (["serve", "--port", "99999"], "--port must be in 0..65535"),
+    (["serve", "--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid"),
 ]
 
 
@@ -103,6 +106,14 @@ def test_bad_arguments_give_one_line(args, expected, capfd, smollm2):
     would fail the test here). Some are checked after the target loads (the context of `bench drafting`), so
     this process's target is loaded and planned first: a machine's first load prints a note of its own."""
     assert_one_line_error(run_main(capfd, *args), expected)
+
+
+def test_serve_on_a_taken_port_gives_one_line_before_loading(capfd):
+    """uvicorn found a taken port only after the model had loaded, and exited 3 among its log lines."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = run_main(capfd, "serve", "--port", str(port))
+    assert "in use" in assert_one_line_error(done, f"cannot listen on 127.0.0.1:{port}")
 
 
 LOADED_CASES = [

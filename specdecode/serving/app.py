@@ -11,6 +11,7 @@ process exits 0.
 import asyncio
 import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -261,6 +262,21 @@ class BackgroundServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join()
+
+
+def check_address(host: str, port: int) -> None:
+    """One clear error, before the model loads, where the server could not listen: a port out of range (uvicorn
+    raised an OverflowError with a traceback), a port taken or an unknown host (uvicorn logged it after the load
+    and exited 3)."""
+    if not 0 <= port <= 65535:
+        raise SpecDecodeError(f"--port must be in 0..65535, got {port}")
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as error:
+        raise SpecDecodeError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
 def serve(engine: ContinuousEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
