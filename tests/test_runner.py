@@ -632,6 +632,20 @@ def test_a_plan_measured_beside_other_processes_is_not_cached(tmp_path, monkeypa
     assert plan_kernels(linears, "auto", {"test": "loaded"}, reps=1)["choice"] == plan["choice"]  # not re-timed
 
 
+def test_a_damaged_cached_plan_is_timed_again(tmp_path, monkeypatch):
+    """A plan file cut short (its writer killed) is measured again and rewritten, not a JSONDecodeError."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(linear_module, "MAX_FOREIGN_CORES", float("inf"))  # cached whatever the load
+    monkeypatch.setattr(linear_module, "_PLANNED_HERE", {})
+    linears = [Linear(torch.randn(96, 64, generator=torch.Generator().manual_seed(1)))]
+    plan_kernels(linears, "auto", {"test": "damaged"}, reps=1)
+    (path,) = tmp_path.glob("specdecode/kernel-plans/*.json")
+    path.write_text(path.read_text()[:40])
+    monkeypatch.setattr(linear_module, "_PLANNED_HERE", {})
+    assert set(plan_kernels(linears, "auto", {"test": "damaged"}, reps=1)["timings"]) == set(ROW_BUCKETS)
+    assert json.loads(path.read_text())["choice"]
+
+
 def _hold_build_lock(build, seconds: float) -> subprocess.Popen:
     """Another process that takes the kernels' build lock, leaves torch's lock file as a build does, sleeps, then
     marks that it slept."""

@@ -42,6 +42,7 @@ from specdecode.drafters.yields import DraftYield, Exploration
 from specdecode.machine import machine_info, measurement_file, quiet_samples, ratio_medians
 from specdecode.models.linear import kernels_digest
 from specdecode.models.target import Target
+from specdecode.paths import write_text_atomically
 from specdecode.sampling import SamplingParams, probabilities
 from specdecode.verify import verify_block
 
@@ -126,7 +127,8 @@ def round_costs(
         except (json.JSONDecodeError, KeyError, TypeError):
             pass  # a damaged entry is measured again
     drafting_s, *passes_s = ratio_medians(round_cost_sweeps(target, model, context, reps, sampled), reference=1)
-    path.write_text(json.dumps({"key": key, "passes_s": passes_s, "drafting_s": drafting_s}, indent=1) + "\n")
+    text = json.dumps({"key": key, "passes_s": passes_s, "drafting_s": drafting_s}, indent=1) + "\n"
+    write_text_atomically(path, text)
     return RoundCosts(tuple(passes_s), drafting_s)
 
 

@@ -45,7 +45,7 @@ from torch import nn
 from specdecode.machine import MAX_FOREIGN_CORES, ForeignLoad
 from specdecode.models.gguf_rows import dequantize, interleave, quantize_q4_1, quantize_q8_0
 from specdecode.models.huge_pages import on_huge_pages
-from specdecode.paths import cache_dir
+from specdecode.paths import cache_dir, write_text_atomically
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # a pass with M rows uses the plan of the smallest bucket >= M
 FEW_ROWS_MAX = 16
@@ -487,6 +487,15 @@ def has_gguf_rows(linears: list[Linear]) -> bool:
     return any(lin.blocks is not None for lin in linears)
 
 
+def _read_plan(path: Path) -> dict | None:
+    """A cached plan, or None where there is none or it is damaged (a process killed while writing it): then
+    the kernels are timed again, where a damaged file raised a JSONDecodeError at every later load."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int = 5, exact: bool = False) -> dict:
     """Give every linear its kernel per row bucket: `kernel` everywhere, or for `auto` the fastest measured
     (cached per machine, model signature and thread count); with `exact`, the few-rows kernel at every bucket
@@ -503,7 +512,7 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
         key["candidates"] = {str(b): candidates(dtype, b, exact, quantized) for b in ROW_BUCKETS}
         digest = stable_digest(key)
         path = cache_dir() / "kernel-plans" / f"{digest}.json"
-        cached = _PLANNED_HERE.get(digest) or (json.loads(path.read_text()) if path.exists() else None)
+        cached = _PLANNED_HERE.get(digest) or _read_plan(path)
         if cached and any(k.startswith("few-rows") for k in cached["choice"].values()) and not cpu_kernels_available():
             cached = None  # measured where the kernel built; here it did not
         if cached and cached.get("key") == key:
@@ -525,7 +534,7 @@ def plan_kernels(linears: list[Linear], kernel: str, signature: dict, reps: int 
             _PLANNED_HERE[digest] = json.loads(plan)  # as read back from the file
             if load.cores <= MAX_FOREIGN_CORES:  # a plan measured beside another job serves this process only
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(plan)
+                write_text_atomically(path, plan)
     uses_onednn = "onednn" in choice.values()
     for lin in linears:
         lin.plan = dict(choice)

@@ -19,6 +19,7 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.machine import machine_info, measurement_file, quiet_samples, ratio_medians
 from specdecode.models.linear import kernels_digest
+from specdecode.paths import write_text_atomically
 
 if TYPE_CHECKING:
     from specdecode.models.target import Target
@@ -99,7 +100,7 @@ def load_or_profile(
         except (json.JSONDecodeError, TypeError):
             pass  # a damaged cache entry is simply measured again
     table = StepCostTable(tokens=list(sizes), seconds=profile_steps(run_pass, sizes, reps, prepare), key=key)
-    path.write_text(json.dumps(table.to_dict(), indent=1) + "\n")
+    write_text_atomically(path, json.dumps(table.to_dict(), indent=1) + "\n")
     return table
 
 

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
+from specdecode.paths import fsync_path, write_text_atomically
 from specdecode.training.data import Example
 
 if TYPE_CHECKING:
@@ -348,21 +349,3 @@ def _plan_shards(examples: list[Example], shard_tokens: int) -> list[list[Exampl
 def _read_index(cache_dir: Path) -> dict | None:
     path = cache_dir / INDEX
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's or a folder's (its entries') data to disk: renames are only durable after this."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never a torn one, even after a crash."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    fsync_path(tmp)
-    os.replace(tmp, path)
-    fsync_path(path.parent)

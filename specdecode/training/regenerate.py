@@ -24,6 +24,7 @@ from specdecode.drafters.base import Drafter
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
+from specdecode.paths import write_text_atomically
 from specdecode.sampling import SamplingParams
 from specdecode.training.prompts import Conversation
 from specdecode.training.trainer import derived_seed
@@ -203,4 +204,4 @@ def check_same_settings(out: Path, mine: dict) -> None:
         if theirs != mine:
             raise SpecDecodeError(f"{out} was regenerated with other settings {theirs}; use a new --out folder")
     else:
-        path.write_text(json.dumps(mine, indent=1))
+        write_text_atomically(path, json.dumps(mine, indent=1))

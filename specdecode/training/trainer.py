@@ -42,15 +42,10 @@ from specdecode.drafters.dspark import DSparkModel
 from specdecode.drafters.eagle3 import Eagle3Model
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import first_line
+from specdecode.paths import fsync_path, write_text_atomically
 from specdecode.training import block_losses, eagle3_losses
 from specdecode.training.data import Example
-from specdecode.training.features import (
-    FeatureBatch,
-    OfflineFeatures,
-    OnlineFeatures,
-    fsync_path,
-    write_text_atomically,
-)
+from specdecode.training.features import FeatureBatch, OfflineFeatures, OnlineFeatures
 
 KEEP_CHECKPOINTS = 2
 METRICS = "metrics.jsonl"
