@@ -152,6 +152,27 @@ def test_recorded_rounds_resume_by_prompt_not_by_position(tmp_path, monkeypatch)
     assert torch.equal(with_long.accepted, alone.accepted) and len(decoded) == 3
 
 
+def test_a_rounds_log_cut_short_by_a_kill_resumes(tmp_path, monkeypatch):
+    """A kill mid-line left a torn last line that raised a JSONDecodeError at every resume; it is redone, and the
+    log stays one record a line."""
+    monkeypatch.setattr(calibration_report, "cache_dir", lambda *_: tmp_path)
+    target = tiny_target(vocab_size=24)
+    model = make_model(target)
+    save_drafter(tmp_path / "d", "dspark", model, model.config.to_dict(), target)
+    monkeypatch.setattr(target, "encode_chat", lambda messages: [int(t[1:]) for t in messages[0]["content"].split()])
+    a, b = ([{"role": "user", "content": text}] for text in ("t3 t4", "t5 t6 t7"))
+    first = record_rounds(target, str(tmp_path / "d"), [a, b], SamplingParams(), 12)
+    (log,) = tmp_path.glob("rounds-*.jsonl")
+    lines = log.read_text().splitlines()
+    log.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])
+    again = record_rounds(target, str(tmp_path / "d"), [a, b], SamplingParams(), 12)
+    assert torch.equal(again.accepted, first.accepted)
+    assert torch.allclose(again.logits, first.logits, rtol=0, atol=0, equal_nan=True)  # NaN: positions not drafted
+    assert [json.loads(line)["prompt"] for line in log.read_text().splitlines()] == [
+        json.loads(x)["prompt"] for x in lines
+    ]
+
+
 def test_calibration_is_stored_and_used(tmp_path):
     target = tiny_target(vocab_size=24)
     model = make_model(target)

@@ -178,8 +178,9 @@ def weight_format_ms(rows: tuple[int, ...] = (1, 8)) -> dict[str, float]:
     if not native_bfloat16():
         return {}
     path = cache_dir("kernel-plans") / f"weight-formats-{kernels_digest()}.json"
-    if path.exists():
-        return json.loads(path.read_text())["ms"]
+    cached = _read_plan(path)
+    if cached and set(cached.get("ms", {})) == {FLOAT32, BFLOAT16, ROWS_8_BIT}:
+        return cached["ms"]
     generator = torch.Generator().manual_seed(0)
     shapes = [(2048, 1024), (1024, 1024), (4096, 1024), (1024, 2048)] * 8  # ~200 MB in float32
     stacks = {}
@@ -208,7 +209,7 @@ def weight_format_ms(rows: tuple[int, ...] = (1, 8)) -> dict[str, float]:
                 if sweep:
                     best[name] = min(best.get(name, ms), ms)
     if load.cores <= MAX_FOREIGN_CORES:
-        path.write_text(json.dumps({"ms": best}))
+        write_text_atomically(path, json.dumps({"ms": best}))
     return best
 
 
@@ -488,8 +489,9 @@ def has_gguf_rows(linears: list[Linear]) -> bool:
 
 
 def _read_plan(path: Path) -> dict | None:
-    """A cached plan, or None where there is none or it is damaged (a process killed while writing it): then
-    the kernels are timed again, where a damaged file raised a JSONDecodeError at every later load."""
+    """A cached plan (or weight-format timing), or None where there is none or it is damaged (a process killed
+    while writing it): then the kernels are timed again, where a damaged file raised a JSONDecodeError at every
+    later load."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
