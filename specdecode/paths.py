@@ -1,7 +1,10 @@
-"""Where specdecode keeps its caches: `$XDG_CACHE_HOME/specdecode`, else `~/.cache/specdecode`."""
+"""Where specdecode keeps its caches (`$XDG_CACHE_HOME/specdecode`, else `~/.cache/specdecode`), and how it writes
+files that a kill must not tear: whole files replaced atomically, logs appended a synced record at a time."""
 
+import json
 import os
 from pathlib import Path
+from typing import TextIO
 
 
 def cache_dir(*parts: str) -> Path:
@@ -29,3 +32,33 @@ def write_text_atomically(path: Path, text: str) -> None:
     fsync_path(tmp)
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every complete record of one JSONL file; a torn last line (a crash mid-write) is ignored."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def resume_jsonl(path: Path) -> list[dict]:
+    """The complete records of a log that this run goes on appending to. A torn last line goes from the file too:
+    the next record landed on it, and both were lost (redone at every resume)."""
+    if not path.exists():
+        return []
+    records = read_jsonl(path)
+    text = path.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        write_text_atomically(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
+    return records
+
+
+def append_synced(file: TextIO, record: dict) -> None:
+    """Append one record as a JSONL line and make it durable at once: a kill loses no finished work."""
+    file.write(json.dumps(record, ensure_ascii=False) + "\n")
+    file.flush()
+    os.fsync(file.fileno())

@@ -44,6 +44,12 @@ def test_eval_writes_results_and_resumes(tmp_path):
     evaluate()
     assert (out / "t.cells.jsonl").read_text() == cells  # nothing was generated twice
     assert (out / "t_acceptance.png").stat().st_size > 0
+    # a kill mid-line: the torn cell is measured again, on a line of its own (it landed on the torn one, lost)
+    lines = cells.splitlines()
+    (out / "t.cells.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:30])
+    evaluate()
+    again = (out / "t.cells.jsonl").read_text().splitlines()
+    assert again[:-1] == lines[:-1] and json.loads(again[-1])["drafter"] == json.loads(lines[-1])["drafter"]
     # other settings are another run: none of its cells stand beside this one's, normal decoding included
     evaluate(max_new_tokens=10)
     fresh = (out / "t.cells.jsonl").read_text().splitlines()[len(cells.splitlines()) :]

@@ -22,7 +22,7 @@ from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.results import write_results
 from specdecode.models.target import Target
-from specdecode.paths import cache_dir, write_text_atomically
+from specdecode.paths import append_synced, cache_dir, resume_jsonl
 from specdecode.sampling import SamplingParams
 from specdecode.training.calibration import (
     RoundRecorder,
@@ -33,7 +33,7 @@ from specdecode.training.calibration import (
     reliability_curve,
 )
 from specdecode.training.prompts import DEFAULT_MIX, build_prompt_mix
-from specdecode.training.regenerate import append_synced, read_jsonl, read_records
+from specdecode.training.regenerate import read_records
 from specdecode.verify import SAMPLED_CHAIN_RULE
 
 
@@ -79,9 +79,7 @@ def record_rounds(
     digest = hashlib.sha256(Path(drafter_path, "model.safetensors").read_bytes())
     digest.update(f"{params} {max_new_tokens} {SAMPLED_CHAIN_RULE}".encode())
     log = cache_dir("calibration") / f"rounds-{digest.hexdigest()[:12]}.jsonl"
-    cached = read_jsonl(log) if log.exists() else []  # a last line cut short by a kill is left out, and redone
-    if log.exists() and not log.read_text().endswith("\n"):  # the next line would be appended to the torn one
-        write_text_atomically(log, "".join(json.dumps(row) + "\n" for row in cached))
+    cached = resume_jsonl(log)  # a last line cut short by a kill is redone
     done = {row["prompt"]: row for row in cached if "prompt" in row}  # lines written before prompt keys: redone
     keys = [hashlib.sha256(json.dumps(messages).encode()).hexdigest()[:16] for messages in prompts]
     recorder = RoundRecorder(drafter, gamma)

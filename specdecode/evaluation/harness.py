@@ -32,6 +32,7 @@ from specdecode.evaluation.results import write_results
 from specdecode.machine import machine_info, measure_quietly
 from specdecode.models.linear import kernels_digest, stable_digest
 from specdecode.models.target import Target
+from specdecode.paths import append_synced, resume_jsonl
 from specdecode.sampling import SamplingParams
 
 
@@ -104,16 +105,11 @@ def run_eval(
     settings = [draft_length, max_new_tokens, seed, str(tree), scheduler, threshold]
     run = run_fingerprint(target, drafters, settings)
     done, other_runs = {}, 0
-    if cells_path.exists():
-        for line in cells_path.read_text().splitlines():
-            try:
-                cell = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line from an interrupted run
-            if cell.get("run") != run:
-                other_runs += 1
-                continue
-            done[(cell["benchmark"], cell["item"], cell["temperature"], cell["drafter"])] = cell
+    for cell in resume_jsonl(cells_path):  # a torn last line from an interrupted run is measured again
+        if cell.get("run") != run:
+            other_runs += 1
+            continue
+        done[(cell["benchmark"], cell["item"], cell["temperature"], cell["drafter"])] = cell
     if other_runs:
         print(f"specdecode: {cells_path}: {other_runs} cells of another run (code, machine, drafters or settings) "
               "are not resumed; this run measures its own", file=sys.stderr)  # fmt: skip
@@ -151,8 +147,7 @@ def run_eval(
                         "position_attempts": stats.position_attempts,
                         "position_accepts": stats.position_accepts,
                     }
-                    sink.write(json.dumps(cell) + "\n")
-                    sink.flush()
+                    append_synced(sink, cell)
                     done[key] = cell
     runs = _aggregate(done, benchmarks, temperatures, list(variants), draft_length, tree)
     table = _table(runs)

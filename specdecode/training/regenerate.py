@@ -11,12 +11,10 @@ finished ids and loses only the conversations in flight.
 """
 
 import json
-import os
 import queue
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TextIO
 
 from tqdm import tqdm
 
@@ -24,7 +22,7 @@ from specdecode.drafters.base import Drafter
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
-from specdecode.paths import write_text_atomically
+from specdecode.paths import append_synced, read_jsonl, write_text_atomically
 from specdecode.sampling import SamplingParams
 from specdecode.training.prompts import Conversation
 from specdecode.training.trainer import derived_seed
@@ -57,24 +55,6 @@ class RegenerationReport:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Every complete record of one JSONL file; a torn last line (a crash mid-write) is ignored."""
-    records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
-def append_synced(file: TextIO, record: dict) -> None:
-    """Append one record as a JSONL line and make it durable at once: a kill loses no finished work."""
-    file.write(json.dumps(record, ensure_ascii=False) + "\n")
-    file.flush()
-    os.fsync(file.fileno())
 
 
 def read_records(out_dir: str | Path) -> list[dict]:

@@ -23,9 +23,10 @@ from specdecode.drafters.base import Drafter
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import Target
+from specdecode.paths import append_synced, resume_jsonl
 from specdecode.sampling import SamplingParams
 from specdecode.training.prompts import disjoint_from_evaluation_sets
-from specdecode.training.regenerate import append_synced, check_same_settings, read_jsonl, sampling_settings
+from specdecode.training.regenerate import check_same_settings, sampling_settings
 from specdecode.training.trainer import derived_seed
 
 _SENTINEL = "\u2063SPECDECODE_USER_TURN\u2063"
@@ -76,7 +77,7 @@ def write_self_prompts(target: Target, attempts: int, out_dir: str, settings: Se
     out.mkdir(parents=True, exist_ok=True)
     check_same_settings(out, sampling_settings(settings))
     samples_path = out / "samples.jsonl"
-    samples = {r["attempt"]: r for r in read_jsonl(samples_path)} if samples_path.exists() else {}
+    samples = {r["attempt"]: r for r in resume_jsonl(samples_path)}
     todo = [i for i in range(attempts) if i not in samples]
     opening = user_turn_opening(target)
     params = SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
