@@ -39,6 +39,7 @@ from specdecode.models.linear import (
     pack_panels,
     panels_fit,
     plan_kernels,
+    prune_builds,
     q8_group_rows,
     same_bits_where_exact,
 )
@@ -673,6 +674,23 @@ def test_a_build_killed_midway_does_not_block_the_next_and_a_live_one_is_waited_
         assert (tmp_path / "slept").exists() and not (tmp_path / "lock").exists()  # entered once the holder was done
     live.wait()
     assert "waiting for another process building" in capsys.readouterr().err
+
+
+def test_builds_of_checkouts_that_are_gone_are_pruned_unless_held(tmp_path):
+    """Each checkout builds the kernels in a folder of its own, and every clean clone that ran the tests left one."""
+    builds = {}
+    for name, checkout in (("gone", tmp_path / "no-such-clone"), ("here", tmp_path), ("held", tmp_path / "gone-too")):
+        builds[name] = tmp_path / "kernels" / name
+        builds[name].mkdir(parents=True)
+        (builds[name] / linear_module.CHECKOUT_FILE).write_text(str(checkout))
+    (tmp_path / "kernels" / "older-format").mkdir()  # no checkout recorded: left alone
+    holder = _hold_build_lock(builds["held"], 60)
+    try:
+        prune_builds(tmp_path / "kernels")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == ["held", "here", "older-format"]
 
 
 def test_one_request_cache_grows_past_its_first_capacity():

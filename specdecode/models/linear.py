@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -54,6 +55,7 @@ EIGHT_BIT_INPUTS = "few-rows-q8"  # computes other bits than the float32 kernels
 # plans timed by this process, cached or not: one timed beside another job is not written, and a second load of
 # the same model in the process (the CLI's `main` run again, a test) would time it again and print its note again
 _PLANNED_HERE: dict[str, dict] = {}
+CHECKOUT_FILE = "checkout"  # in a kernels' build folder: the csrc folder it was built from
 OUT_OF_THE_RACE = 1.5  # this many times the fastest in the warm-up and the first timed sweep: timed no more
 
 
@@ -85,9 +87,11 @@ def cpu_kernels_available() -> bool:
     where = stable_digest([str(sources[0].parent), sys.prefix])[:8]
     build = cache_dir() / "kernels" / f"{kernels_digest()}-{where}"
     build.mkdir(parents=True, exist_ok=True)
+    (build / CHECKOUT_FILE).write_text(str(sources[0].parent))
     fresh = not any(build.glob("*.so"))
     if fresh:
         print("specdecode: building the runner's C++ kernels for this machine (once, about a minute)", file=sys.stderr)
+        prune_builds(build.parent)
     try:
         with build_lock(build):
             load(
@@ -105,6 +109,21 @@ def cpu_kernels_available() -> bool:
         )
         return False
     return True
+
+
+def prune_builds(kernels: Path) -> None:
+    """Remove the kernel builds whose checkout is gone (a clean clone's CI run, a removed worktree: ~4 MB each, one
+    more per clone), except one that another process holds."""
+    for build in kernels.iterdir():
+        checkout = build / CHECKOUT_FILE
+        if not checkout.is_file() or Path(checkout.read_text()).exists():
+            continue
+        with open(build / "specdecode.lock", "w") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            shutil.rmtree(build, ignore_errors=True)
 
 
 @contextlib.contextmanager
