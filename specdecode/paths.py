@@ -6,12 +6,18 @@ import os
 from pathlib import Path
 from typing import TextIO
 
+from specdecode.errors import SpecDecodeError
+
 
 def cache_dir(*parts: str) -> Path:
-    """Return (and create) a folder under the user cache directory."""
+    """Return (and create) a folder under the user cache directory; one clear error where it cannot be made."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdecode"
     path = root.joinpath(*parts)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        reason = f"{error.strerror or error}; set XDG_CACHE_HOME to a writable folder"
+        raise SpecDecodeError(f"cannot create the cache folder {path} ({reason})") from None
     return path
 
 

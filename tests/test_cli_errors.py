@@ -116,6 +116,13 @@ def test_serve_on_a_taken_port_gives_one_line_before_loading(capfd):
     assert "in use" in assert_one_line_error(done, f"cannot listen on 127.0.0.1:{port}")
 
 
+def test_a_cache_folder_that_cannot_be_made_gives_one_line(capfd, tmp_path, monkeypatch):
+    """XDG_CACHE_HOME naming a file (or a read-only place) was a FileNotFoundError's traceback."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
+    assert_one_line_error(run_main(capfd, "generate", "hi"), "cannot create the cache folder")
+
+
 LOADED_CASES = [
     (["generate", "hi", "--drafter", "nope"], "unknown drafter"),
     (["generate", "hi", "--drafter", "draft-model", "--draft-model", "{other_vocab_model}"], "vocabulary"),
