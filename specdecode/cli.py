@@ -6,10 +6,12 @@ Every user mistake is a `SpecDecodeError` (or an argparse error): one line on st
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.linear import KERNELS
 from specdecode.models.registry import DEFAULT_TARGET
+from specdecode.paths import check_writable_folder
 
 
 class _Parser(argparse.ArgumentParser):
@@ -167,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--out", required=True, help="the .npz to write (its manifest goes beside it as .json)")
     dp.add_argument("--base", default=None, help="a packed .npz whose conversations come first (it may be --out)")
     dp.add_argument("--max-length", type=int, default=1024)
+    dp.set_defaults(out_is_file=True)
 
     dc = dsub.add_parser("cache", help="write the offline target-feature cache for training")
     _add_target_args(dc)
@@ -426,6 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if getattr(args, "out", None):
+            check_writable_folder(Path(args.out).parent if getattr(args, "out_is_file", False) else args.out)
         return _COMMANDS[args.command](args) or 0
     except SpecDecodeError as e:
         print(f"specdecode: error: {e}", file=sys.stderr)

@@ -3,6 +3,7 @@ files that a kill must not tear: whole files replaced atomically, logs appended 
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import TextIO
 
@@ -68,3 +69,23 @@ def append_synced(file: TextIO, record: dict) -> None:
     file.write(json.dumps(record, ensure_ascii=False) + "\n")
     file.flush()
     os.fsync(file.fileno())
+
+
+def check_writable_folder(folder: str | Path) -> None:
+    """One clear error where `folder` cannot be made or written, before the work that would write there runs: a
+    benchmark's minutes were lost to a traceback at its last step. Folders made to find out are removed again."""
+    missing, probe = [], Path(folder).absolute()
+    while not probe.exists():
+        missing.append(probe)
+        probe = probe.parent
+    made = []
+    try:
+        for path in reversed(missing):
+            path.mkdir()
+            made.append(path)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as error:
+        raise SpecDecodeError(f"cannot write to {folder} ({error.strerror or error})") from None
+    finally:
+        for path in reversed(made):
+            path.rmdir()

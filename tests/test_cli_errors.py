@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from specdecode.paths import check_writable_folder
+
 CONTEXT = 8192  # max_position_embeddings of the default target, smollm2-135m
 LONG_PROMPT = "hello " * 9000  # 9001 tokens with SmolLM2's tokenizer; the test checks it from the error
 
@@ -121,6 +123,20 @@ def test_a_cache_folder_that_cannot_be_made_gives_one_line(capfd, tmp_path, monk
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
     assert_one_line_error(run_main(capfd, "generate", "hi"), "cannot create the cache folder")
+
+
+WRITING_COMMANDS = [["bench", "premise"], ["eval", "--drafter", "ngram"], ["data", "pack", "--data", "d"]]
+
+
+@pytest.mark.parametrize("command", WRITING_COMMANDS)
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(command, capfd, tmp_path):
+    """A benchmark ran its minutes and lost them to a traceback when it wrote; the folder is tried first (and a
+    folder made only to try it is removed)."""
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / ("packed.npz" if "pack" in command else "results")
+    assert_one_line_error(run_main(capfd, *command, "--out", str(out)), "cannot write to")
+    check_writable_folder(tmp_path / "new" / "results")
+    assert list(tmp_path.iterdir()) == [tmp_path / "a-file"]
 
 
 LOADED_CASES = [
