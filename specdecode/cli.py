@@ -922,7 +922,7 @@ def cmd_export(args) -> None:
 def cmd_serve(args) -> None:
     from specdecode.drafters import build_drafter
     from specdecode.engine.continuous import ContinuousEngine, EngineConfig
-    from specdecode.engine.scheduler import has_confidences, resolve_scheduler
+    from specdecode.engine.scheduler import resolve_scheduler
     from specdecode.serving.app import check_address, serve
 
     check_address(args.host, args.port)
@@ -938,8 +938,6 @@ def cmd_serve(args) -> None:
         not args.no_drafting_gate,
         not args.no_prefix_caching,
     )
-    if scheduler == "prefix" and has_confidences(drafter):
-        _note("measuring this machine's SPS(B) table for the prefix scheduler (cached after the first time)")
     engine = ContinuousEngine(target, drafter, config)
     _note(f"KV cache: {args.max_batch} slots x {args.max_len} tokens = {engine.batched.nbytes / 2**20:.0f} MiB")
     serve(engine, target.name, args.host, args.port)

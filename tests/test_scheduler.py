@@ -110,7 +110,7 @@ def foreign_load_reporting(cores: list[float]):
     return FakeLoad
 
 
-def test_profile_is_cached_per_key(tmp_path, monkeypatch):
+def test_profile_is_cached_per_key(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(machine, "ForeignLoad", foreign_load_reporting([]))  # quiet: no sweep is measured again
     calls = []
@@ -120,8 +120,9 @@ def test_profile_is_cached_per_key(tmp_path, monkeypatch):
 
     first = load_or_profile({"target": "fake"}, run_pass, sizes=(1, 2), reps=2)
     assert len(calls) == 5 and first.tokens == [1, 2]  # warm-up + 2 reps x 2 sizes
+    assert "measuring this machine's pass costs" in capsys.readouterr().err  # a first run says what it waits for
     again = load_or_profile({"target": "fake"}, run_pass, sizes=(1, 2), reps=2)
-    assert len(calls) == 5 and again.seconds == first.seconds
+    assert len(calls) == 5 and again.seconds == first.seconds and not capsys.readouterr().err
     with pytest.raises(SpecDecodeError):
         profile_steps(run_pass, sizes=(2, 1))
 

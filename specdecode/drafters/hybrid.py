@@ -24,6 +24,7 @@ sampled chain by its own tokens would bias the output, as a retrospective schedu
 import copy
 import itertools
 import json
+import sys
 import time
 from dataclasses import dataclass, field, replace
 
@@ -126,6 +127,8 @@ def round_costs(
             return RoundCosts(tuple(cached["passes_s"]), cached["drafting_s"])
         except (json.JSONDecodeError, KeyError, TypeError):
             pass  # a damaged entry is measured again
+    kind = "sampled" if sampled else "greedy"
+    print(f"specdecode: measuring a {kind} round's cost with and without the drafter here (once)", file=sys.stderr)
     drafting_s, *passes_s = ratio_medians(round_cost_sweeps(target, model, context, reps, sampled), reference=1)
     text = json.dumps({"key": key, "passes_s": passes_s, "drafting_s": drafting_s}, indent=1) + "\n"
     write_text_atomically(path, text)

@@ -9,6 +9,7 @@ beyond the last size it is extrapolated with the last segment's slope.
 
 import bisect
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -99,6 +100,7 @@ def load_or_profile(
             return StepCostTable(**json.loads(path.read_text()))
         except (json.JSONDecodeError, TypeError):
             pass  # a damaged cache entry is simply measured again
+    print("specdecode: measuring this machine's pass costs for the verify-length scheduler (once)", file=sys.stderr)
     table = StepCostTable(tokens=list(sizes), seconds=profile_steps(run_pass, sizes, reps, prepare), key=key)
     write_text_atomically(path, json.dumps(table.to_dict(), indent=1) + "\n")
     return table
