@@ -43,8 +43,12 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     """Every complete record of one JSONL file; a torn last line (a crash mid-write) is ignored."""
+    return _complete_records(Path(path).read_text(encoding="utf-8"))
+
+
+def _complete_records(text: str) -> list[dict]:
     records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
@@ -57,8 +61,8 @@ def resume_jsonl(path: Path) -> list[dict]:
     the next record landed on it, and both were lost (redone at every resume)."""
     if not path.exists():
         return []
-    records = read_jsonl(path)
     text = path.read_text(encoding="utf-8")
+    records = _complete_records(text)
     if text and not text.endswith("\n"):
         write_text_atomically(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
     return records

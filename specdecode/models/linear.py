@@ -56,6 +56,7 @@ EIGHT_BIT_INPUTS = "few-rows-q8"  # computes other bits than the float32 kernels
 # the same model in the process (the CLI's `main` run again, a test) would time it again and print its note again
 _PLANNED_HERE: dict[str, dict] = {}
 CHECKOUT_FILE = "checkout"  # in a kernels' build folder: the csrc folder it was built from
+BUILD_LOCK = "specdecode.lock"  # in a kernels' build folder: the flock of whoever builds, loads or prunes it
 OUT_OF_THE_RACE = 1.5  # this many times the fastest in the warm-up and the first timed sweep: timed no more
 
 
@@ -81,16 +82,15 @@ def cpu_kernels_available() -> bool:
         return True
     from torch.utils.cpp_extension import load
 
-    sources = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+    csrc = Path(__file__).with_name("csrc")
+    sources = sorted(csrc.glob("*.cpp"))
     # a build per checkout and environment too: ninja rebuilds when the sources' or torch's paths change, and a
     # clean clone's CI run then cost the working tree a rebuild of ~2-4 minutes, and back
-    where = stable_digest([str(sources[0].parent), sys.prefix])[:8]
-    build = cache_dir() / "kernels" / f"{kernels_digest()}-{where}"
+    build = cache_dir() / "kernels" / f"{kernels_digest()}-{stable_digest([str(csrc), sys.prefix])[:8]}"
     build.mkdir(parents=True, exist_ok=True)
-    (build / CHECKOUT_FILE).write_text(str(sources[0].parent))
-    fresh = not any(build.glob("*.so"))
-    if fresh:
+    if not any(build.glob("*.so")):
         print("specdecode: building the runner's C++ kernels for this machine (once, about a minute)", file=sys.stderr)
+        (build / CHECKOUT_FILE).write_text(str(csrc))
         prune_builds(build.parent)
     try:
         with build_lock(build):
@@ -118,12 +118,9 @@ def prune_builds(kernels: Path) -> None:
         checkout = build / CHECKOUT_FILE
         if not checkout.is_file() or Path(checkout.read_text()).exists():
             continue
-        with open(build / "specdecode.lock", "w") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue
-            shutil.rmtree(build, ignore_errors=True)
+        with open(build / BUILD_LOCK, "w") as handle:
+            if _took_flock(handle):
+                shutil.rmtree(build, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -132,14 +129,21 @@ def build_lock(build: Path) -> Iterator[None]:
     build killed midway (Ctrl-C on a first run) leaves behind, and every later process then waited for it
     forever, silently; this one is an flock, which the kernel releases when its holder dies, so a torch lock
     found while holding it is stale and goes."""
-    with open(build / "specdecode.lock", "w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    with open(build / BUILD_LOCK, "w") as handle:
+        if not _took_flock(handle):
             print("specdecode: waiting for another process building the runner's C++ kernels", file=sys.stderr)
             fcntl.flock(handle, fcntl.LOCK_EX)
         (build / "lock").unlink(missing_ok=True)
         yield
+
+
+def _took_flock(handle) -> bool:
+    """Whether this process now holds the exclusive flock of the open file `handle` (False: another holds it)."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 @functools.cache

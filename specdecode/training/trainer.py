@@ -42,7 +42,7 @@ from specdecode.drafters.dspark import DSparkModel
 from specdecode.drafters.eagle3 import Eagle3Model
 from specdecode.errors import SpecDecodeError
 from specdecode.models.target import first_line
-from specdecode.paths import fsync_path, write_text_atomically
+from specdecode.paths import fsync_path, read_jsonl, write_text_atomically
 from specdecode.training import block_losses, eagle3_losses
 from specdecode.training.data import Example
 from specdecode.training.features import FeatureBatch, OfflineFeatures, OnlineFeatures
@@ -513,14 +513,8 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop lines after `step` (and a torn last line), so a resumed curve has no duplicates."""
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError):
-            continue
-    write_text_atomically(path, "".join(line + "\n" for line in kept))
+    kept = [record for record in read_jsonl(path) if "step" in record and record["step"] <= step]
+    write_text_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))
 
 
 def _summary(metrics: dict) -> str:
