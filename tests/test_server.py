@@ -137,6 +137,10 @@ def test_concurrent_clients_get_their_own_results(client):
         (json.dumps({"model": MODEL, "prompt": "hi", "n": 0}), 400, "n"),
         (json.dumps({"model": MODEL, "prompt": "hi", "stop": 5}), 400, "stop"),
         (json.dumps({"model": MODEL, "prompt": ""}), 400, "prompt"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "echo": True}), 400, "echo"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "best_of": 2}), 400, "best_of"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "presence_penalty": False}), 400, "presence_penalty"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "top_k": -2}), 400, "top_k"),
     ],
 )
 def test_bad_completion_requests_get_openai_errors(server, body, status, param):
@@ -150,7 +154,7 @@ def test_bad_chat_requests_and_routes(server, client):
     assert code == 400 and json.loads(text)["error"]["param"] == "messages"
     code, text = _raw(server, "GET", "/v1/nothing")
     assert code == 404 and "error" in json.loads(text)
-    with pytest.raises(openai.BadRequestError, match="unsupported parameter 'tools'"):
+    with pytest.raises(openai.BadRequestError, match="'tools' is supported only at its neutral value"):
         client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "hi"}],
@@ -159,6 +163,34 @@ def test_bad_chat_requests_and_routes(server, client):
     assert client.completions.create(model=MODEL, prompt="Still", max_tokens=2).usage.completion_tokens >= 1
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert _raw(server, "GET", "/health")[0] == 200
+
+
+def test_what_client_libraries_send_by_default_is_served(client):
+    """Parameters the server does not implement pass at their neutral values (several client libraries send
+    `presence_penalty: 0` and the like by default) and are refused at any other; a content of text parts is read
+    as its texts joined by newlines, a developer message as a system message; top_k is honored (top-1 sampling is
+    greedy decoding, whatever the seed)."""
+
+    def chat(messages: list[dict], **extra) -> str:
+        response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **extra)
+        return response.choices[0].message.content
+
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour.\nOne word."}]
+    greedy = chat(plain, temperature=0)
+    neutral = dict(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, logprobs=False, tools=[])
+    assert chat(plain, temperature=0, response_format={"type": "text"}, tool_choice="none", **neutral) == greedy
+    system, user = ([{"type": "text", "text": line} for line in m["content"].split("\n")] for m in plain)
+    parts = [{"role": "developer", "content": system}, {"role": "user", "content": user}]
+    assert chat(parts, temperature=0) == greedy
+    assert chat(plain, temperature=1, seed=7, extra_body={"top_k": 1}) == greedy  # as vLLM's clients send it
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty") as refused:
+        chat(plain, frequency_penalty=0.5)
+    assert refused.value.body["param"] == "frequency_penalty"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    for message in ({"role": "user", "content": [image]}, {"role": ["user"], "content": "hi"}):
+        with pytest.raises(openai.BadRequestError, match="text parts") as refused:
+            chat([message])
+        assert refused.value.body["param"] == "messages"
 
 
 def test_metrics_parse_as_prometheus_text(server, client):

@@ -1,8 +1,10 @@
 """The OpenAI request and response shapes the server speaks: validation in, JSON objects out.
 
 Validation is strict on purpose: a parameter the engine would silently ignore (logprobs, penalties,
-tools, ...) is refused with a 400 naming it, so a client never believes it got what it did not.
-Parameters sent as `null` count as absent, as OpenAI's own API treats them.
+tools, ...) is refused with a 400 naming it, so a client never believes it got what it did not. Such a
+parameter at its neutral value (`presence_penalty: 0`, `tools: []`, ...: what several client libraries send
+by default) asks for nothing and passes. Parameters sent as `null` count as absent, as OpenAI's own API treats
+them.
 """
 
 import random
@@ -19,9 +21,27 @@ MAX_CHOICES = 16
 MAX_STOP_STRINGS = 4
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user"}
+_COMMON |= {"top_k"}  # vLLM's and SGLang's extension (0 or -1: off)
 _COMMON |= {"speculative"}  # ours: false decodes this request without drafts (to compare speeds)
-SUPPORTED = {"completions": _COMMON | {"prompt"}, "chat": _COMMON | {"messages", "max_completion_tokens"}}
-_ROLES = ("system", "user", "assistant")
+
+
+def _is_zero(value: object) -> bool:
+    return type(value) in (int, float) and value == 0
+
+
+# parameters accepted only at the value that asks for nothing, by endpoint: name -> is that value
+NEUTRAL = {
+    "completions": {"presence_penalty": _is_zero, "frequency_penalty": _is_zero, "logit_bias": lambda v: v == {}}
+    | {"echo": lambda v: v is False, "best_of": lambda v: type(v) is int and v == 1},
+    "chat": {"presence_penalty": _is_zero, "frequency_penalty": _is_zero, "logit_bias": lambda v: v == {}}
+    | {"logprobs": lambda v: v is False, "tools": lambda v: v == [], "tool_choice": lambda v: v == "none"}
+    | {"response_format": lambda v: v == {"type": "text"}},
+}
+SUPPORTED = {
+    "completions": _COMMON | {"prompt"} | set(NEUTRAL["completions"]),
+    "chat": _COMMON | {"messages", "max_completion_tokens"} | set(NEUTRAL["chat"]),
+}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # OpenAI's -> ours
 
 
 class ApiError(SpecDecodeError):
@@ -79,18 +99,34 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
+def _text(content: object) -> str | None:
+    """A message's text: its string, or its content parts of type text joined by newlines (as vLLM joins them)."""
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) and content else [None]
+    if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return None
+
+
+def _message(m: object) -> dict:
+    """A chat message as the chat template takes it (a developer message is a system message)."""
+    role, text = (m.get("role"), _text(m.get("content"))) if isinstance(m, dict) else (None, None)
+    if not isinstance(role, str) or role not in _ROLES or text is None:
+        raise ApiError(
+            f"every message needs a role in {', '.join(_ROLES)} and a content: a string or a list of text parts "
+            f"({{type: text, text}}; this server reads text only), got {m!r}",
+            param="messages",
+        )
+    return {"role": _ROLES[role], "content": text}
+
+
 def _prompt_ids(body: dict, chat: bool, target: Target) -> list[int]:
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError("'messages' must be a non-empty list of {role, content} objects", param="messages")
-        for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
-                raise ApiError(
-                    f"every message needs a role in {', '.join(_ROLES)} and a string content, got {m!r}",
-                    param="messages",
-                )
-        return target.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
+        return target.encode_chat([_message(m) for m in messages])
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -108,9 +144,17 @@ def parse_request(body: object, chat: bool, target: Target, model_name: str, max
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     body = {k: v for k, v in body.items() if v is not None}
-    unsupported = sorted(set(body) - SUPPORTED["chat" if chat else "completions"])
+    kind = "chat" if chat else "completions"
+    unsupported = sorted(set(body) - SUPPORTED[kind])
     if unsupported:
         raise ApiError(f"unsupported parameter '{unsupported[0]}'", param=unsupported[0], code="unsupported_parameter")
+    for name, neutral in NEUTRAL[kind].items():
+        if name in body and not neutral(body[name]):
+            raise ApiError(
+                f"'{name}' is supported only at its neutral value (asking for nothing), got {body[name]!r}",
+                param=name,
+                code="unsupported_parameter",
+            )
     if "model" not in body:
         raise ApiError("'model' is required", param="model")
     if body["model"] != model_name:
@@ -137,8 +181,9 @@ def parse_request(body: object, chat: bool, target: Target, model_name: str, max
             code="context_length_exceeded",
         )
     temperature, top_p = _number(body, "temperature", 1.0, 0, 2), _number(body, "top_p", 1.0, 0, 1)
+    top_k = max(_integer(body, "top_k", -1) or 0, 0)
     try:
-        params = SamplingParams(temperature=temperature, top_p=top_p)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     except SpecDecodeError as e:  # the ranges above leave only top_p = 0
         raise ApiError(str(e), param="top_p") from e
     n = _integer(body, "n", 1, MAX_CHOICES) or 1

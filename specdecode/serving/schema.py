@@ -24,21 +24,40 @@ class _Request(BaseModel):
     stop: str | list[str] | None = Field(None, description="up to 4 stop strings")
     seed: int | None = Field(None, description="choice i samples with seed + i")
     user: str | None = None
+    top_k: int | None = Field(None, ge=-1, description="the k most likely tokens only; 0 or -1 (the default): off")
     speculative: bool | None = Field(None, description="false: decode this request without drafts (default true)")
+    presence_penalty: Literal[0] | None = Field(None, description="accepted at 0 only (no penalty)")
+    frequency_penalty: Literal[0] | None = Field(None, description="accepted at 0 only (no penalty)")
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="accepted empty only")
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] = Field(description="text, or token ids")
+    echo: Literal[False] | None = Field(None, description="accepted false only")
+    best_of: Literal[1] | None = Field(None, description="accepted at 1 only")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"] = Field(description="developer: a system message")
+    content: str | list[TextPart] = Field(description="text, or text parts (joined by newlines)")
+
+
+class TextFormat(BaseModel):
+    type: Literal["text"]
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1, description="an alias of max_tokens")
+    logprobs: Literal[False] | None = Field(None, description="accepted false only")
+    tools: list[dict] | None = Field(None, max_length=0, description="accepted empty only")
+    tool_choice: Literal["none"] | None = Field(None, description="accepted 'none' only")
+    response_format: TextFormat | None = Field(None, description="accepted {type: text} only")
 
 
 class Usage(BaseModel):
