@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text, speculatively")
-    g.add_argument("prompt", help="a chat message (or raw text with --raw)")
+    g.add_argument("prompt", help="a chat message (or raw text with --raw); - reads it from standard input")
     g.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
     _add_target_args(g)
     g.add_argument(
@@ -497,13 +497,19 @@ def cmd_generate(args) -> None:
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p)  # validate before loading anything
     tree = _tree_settings(args.tree)
-    if not args.prompt.strip():
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
         raise SpecDecodeError("the prompt is empty")
     target = _load_target(args)
     drafter = build_drafter(args.drafter, target, args.draft_model)
     scheduler = resolve_scheduler(args.scheduler, drafter, tree is not None)
     decoder = SpeculativeDecoder(target, drafter, args.draft_length, tree, scheduler, args.threshold)
-    prompt_ids = target.encode(args.prompt, chat=not args.raw)
+    prompt_ids = target.encode(prompt, chat=not args.raw)
+    decoder.check_prompt(prompt_ids)
+    room = target.max_context - len(prompt_ids)
+    if room < args.max_new_tokens:
+        note = f"{target.name}'s context holds {target.max_context} tokens: {room} new at most"
+        print(f"[specdecode] {note}", file=sys.stderr)
     stream = not args.json and args.num_samples == 1
     completions = decoder.generate(
         prompt_ids,

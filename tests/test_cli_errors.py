@@ -5,6 +5,7 @@ argument, ~9 s with a target); three run the installed command in a subprocess o
 entry point's exit status and stderr are held to the same promise.
 """
 
+import io
 import json
 import os
 import re
@@ -210,3 +211,32 @@ def test_seeded_samples_are_reproducible(capfd, smollm2):
         assert len(completions) == 3
         runs.append([c["token_ids"] for c in completions])
     assert runs[0] == runs[1]
+
+
+def test_generate_reads_a_prompt_from_standard_input(capfd, monkeypatch, smollm2):
+    """`generate -` takes the prompt from standard input (a file's text, a pipe) and decodes it as if given in the
+    command line; an empty input is the empty prompt's one-line error."""
+    args = ("--max-new-tokens", "6", "--json", "--drafter", "none")
+    given = run_main(capfd, "generate", "Say hi.", *args)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Say hi."))
+    piped = run_main(capfd, "generate", "-", *args)
+    assert piped.returncode == given.returncode == 0, piped.stderr
+    texts = [[(c["text"], c["token_ids"]) for c in json.loads(done.stdout)["completions"]] for done in (piped, given)]
+    assert texts[0] == texts[1]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))
+    assert_one_line_error(run_main(capfd, "generate", "-"), "empty")
+
+
+def test_generate_says_when_the_context_leaves_less_than_asked(capfd, tmp_path):
+    """A prompt that leaves fewer than --max-new-tokens positions in the target's context generates what fits and
+    says so, instead of stopping short without a word (a tiny local target with a 256-token context)."""
+    from tests.conftest import tiny_llama, tiny_tokenizer
+
+    folder = tmp_path / "tiny"
+    tiny_llama(vocab_size=24).save_pretrained(folder)
+    tiny_tokenizer(24).save_pretrained(folder)
+    prompt = " ".join(f"t{2 + i % 8}" for i in range(250))  # a token a word
+    done = run_main(capfd, "generate", prompt, "--raw", "--target", str(folder), "--drafter", "none", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "context holds 256 tokens: 6 new at most" in done.stderr
+    assert len(json.loads(done.stdout)["completions"][0]["token_ids"]) <= 6
