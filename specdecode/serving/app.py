@@ -158,7 +158,7 @@ def create_app(engine: ContinuousEngine, model_name: str) -> FastAPI:
                         req.max_tokens,
                         req.stop,
                         seed,
-                        on_text=lambda text, i=i: post((i, text)),
+                        on_text=(lambda text, i=i: post((i, text))) if req.stream else None,
                         on_done=lambda outcome, i=i: post((i, outcome)),
                         on_round=(lambda info, i=i: post((i, info))) if req.stream else None,
                         speculate=req.speculate,
