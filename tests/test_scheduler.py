@@ -118,10 +118,10 @@ def test_profile_is_cached_per_key(tmp_path, monkeypatch, capsys):
     def run_pass(b: int) -> None:
         calls.append(b)
 
-    first = load_or_profile({"target": "fake"}, run_pass, sizes=(1, 2), reps=2)
+    first = load_or_profile("fake costs", {"target": "fake"}, run_pass, sizes=(1, 2), reps=2)
     assert len(calls) == 5 and first.tokens == [1, 2]  # warm-up + 2 reps x 2 sizes
-    assert "measuring this machine's pass costs" in capsys.readouterr().err  # a first run says what it waits for
-    again = load_or_profile({"target": "fake"}, run_pass, sizes=(1, 2), reps=2)
+    assert "measuring fake costs on this machine" in capsys.readouterr().err  # a first run says what it waits for
+    again = load_or_profile("fake costs", {"target": "fake"}, run_pass, sizes=(1, 2), reps=2)
     assert len(calls) == 5 and again.seconds == first.seconds and not capsys.readouterr().err
     with pytest.raises(SpecDecodeError):
         profile_steps(run_pass, sizes=(2, 1))

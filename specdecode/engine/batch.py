@@ -255,7 +255,8 @@ def profile_batched_pass(
             batched.rollback(slot, context)
 
     try:
-        return load_or_profile(key, run_pass, sizes, reps, refresh)
+        what = f"a batched pass's costs over {batched.slots} slots"
+        return load_or_profile(what, key, run_pass, sizes, reps, refresh)
     finally:
         for slot in slots:
             batched.release(slot)

@@ -136,4 +136,4 @@ def profile_drafting(
     def run_pass(requests: int) -> None:
         type(drafter).propose_batch(states, [ids] * requests, [draft_length] * requests)
 
-    return load_or_profile(key, run_pass, sizes, reps, prepare=prepare)
+    return load_or_profile("the drafter's costs by batch size", key, run_pass, sizes, reps, prepare=prepare)

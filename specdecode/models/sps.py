@@ -83,6 +83,7 @@ def profile_steps(
 
 
 def load_or_profile(
+    what: str,
     key: dict,
     run_pass: Callable[[int], None],
     sizes: tuple[int, ...] = DEFAULT_SIZES,
@@ -91,7 +92,7 @@ def load_or_profile(
     prepare: Callable[[int], None] | None = None,
 ) -> StepCostTable:
     """The cached table for `key` (plus this machine's identity and the runner kernels' build), profiling it
-    first when missing (`profile_steps`)."""
+    first when missing (`profile_steps`), which a line names by `what` it measures."""
     key = {**key, "machine": machine_info(), "kernels": kernels_digest(), "sizes": list(sizes), "sweeps": reps}
     key["estimate"] = "ratio medians"
     path = measurement_file("sps", key)
@@ -100,7 +101,7 @@ def load_or_profile(
             return StepCostTable(**json.loads(path.read_text()))
         except (json.JSONDecodeError, TypeError):
             pass  # a damaged cache entry is simply measured again
-    print("specdecode: measuring this machine's pass costs for the verify-length scheduler (once)", file=sys.stderr)
+    print(f"specdecode: measuring {what} on this machine (once)", file=sys.stderr)
     table = StepCostTable(tokens=list(sizes), seconds=profile_steps(run_pass, sizes, reps, prepare), key=key)
     write_text_atomically(path, json.dumps(table.to_dict(), indent=1) + "\n")
     return table
@@ -125,7 +126,7 @@ def profile_target(
         target.rollback(context)
 
     key = {"target": target.name, "kernel": target.kernel, "dtype": str(target.dtype), "context": context, "rows": 1}
-    table = load_or_profile(key, run_pass, sizes, reps, refresh)
+    table = load_or_profile("one request's verify-pass costs", key, run_pass, sizes, reps, refresh)
     if prefilled:
         target.reset()
     return table
