@@ -786,19 +786,16 @@ def _layer_ids(text: str | None) -> list[int] | None:
 
 
 def cmd_train(args) -> None:
+    import dataclasses
+
     import torch
 
+    from specdecode.training.recipes import DEFAULT_DRAFT_VOCAB
     from specdecode.training.run import check_training_request, run_training
     from specdecode.training.trainer import TrainConfig
 
-    check_training_request(args.drafter, args.max_conversations)  # before minutes of loading, not after
-    target = _load_target(args)
-    precision = args.precision
-    if precision == "auto":
-        precision = "bfloat16" if target.dtype == torch.bfloat16 else "float32"
-    config = TrainConfig(
+    config = TrainConfig(  # checked here, before minutes of loading, not after
         lr=args.lr,
-        precision=precision,
         micro_batch_size=args.batch_size,
         grad_accum=args.grad_accum,
         epochs=args.epochs,
@@ -809,8 +806,6 @@ def cmd_train(args) -> None:
         eval_every=args.eval_every,
         collective_timeout_s=args.collective_timeout,
     )
-    from specdecode.training.recipes import DEFAULT_DRAFT_VOCAB
-
     draft_vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
     if args.drafter == "eagle3":
         architecture = {"draft_vocab_size": draft_vocab, "ttt_steps": args.ttt_steps, "num_anchors": args.anchors}
@@ -824,13 +819,18 @@ def cmd_train(args) -> None:
             "sample_from_anchor": not args.fill_in,
             "draft_vocab_size": draft_vocab,
         }
+    check_training_request(args.drafter, args.max_conversations, architecture)
     architecture["target_layer_ids"] = _layer_ids(args.target_layers)
+    target = _load_target(args)
+    precision = args.precision
+    if precision == "auto":
+        precision = "bfloat16" if target.dtype == torch.bfloat16 else "float32"
     path = run_training(
         args.drafter,
         target,
         args.data,
         args.out,
-        config,
+        dataclasses.replace(config, precision=precision),
         args.features,
         args.max_length,
         architecture=architecture,

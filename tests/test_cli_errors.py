@@ -240,3 +240,35 @@ def test_generate_says_when_the_context_leaves_less_than_asked(capfd, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "context holds 256 tokens: 6 new at most" in done.stderr
     assert len(json.loads(done.stdout)["completions"][0]["token_ids"]) <= 6
+
+
+TRAIN = ["train", "--drafter", "dspark", "--data", "d", "--out", "o"]
+TRAINING_CASES = [
+    (["--lr", "-1"], "learning rate must be a finite number >= 0"),
+    (["--lr", "nan"], "learning rate must be a finite number >= 0"),
+    (["--batch-size", "0"], "micro-batch size must be >= 1"),
+    (["--grad-accum", "0"], "gradient accumulation must be >= 1"),
+    (["--epochs", "0"], "epochs must be >= 1"),
+    (["--max-steps", "0"], "max steps must be >= 1"),
+    (["--save-every", "0"], "steps between checkpoints must be >= 1"),
+    (["--layers", "0"], "--layers must be >= 1"),
+    (["--block-size", "0"], "--block-size must be >= 1"),
+    (["--fill-in", "--block-size", "1"], "--block-size must be >= 2"),
+    (["--markov-rank", "-1"], "--markov-rank must be >= 0"),
+    (["--anchors", "0"], "--anchors must be >= 1"),
+    (["--drafter", "eagle3", "--ttt-steps", "0"], "--ttt-steps must be >= 1"),
+    (["--drafter", "eagle3", "--anchors", "-1"], "--anchors must be >= 0"),
+]
+
+
+@pytest.mark.parametrize(("extra", "expected"), TRAINING_CASES, ids=[" ".join(a) for a, _ in TRAINING_CASES])
+def test_training_settings_no_run_could_take_are_refused_before_loading(extra, expected, capfd, monkeypatch):
+    """Settings that failed minutes in, on a tensor shape or in the optimizer (tracebacks), or that trained
+    nothing and wrote it as a drafter (0 epochs, 0 layers), are one line, before the target loads."""
+    import specdecode.cli
+
+    def no_loading(args):
+        raise AssertionError("the target was loaded before the settings were checked")
+
+    monkeypatch.setattr(specdecode.cli, "_load_target", no_loading)
+    assert_one_line_error(run_main(capfd, *TRAIN, *extra), expected)

@@ -58,6 +58,31 @@ def recipe_layer_ids(kind: str, num_target_layers: int) -> list[int]:
     return eagle3_layer_ids(num_target_layers) if kind == "eagle3" else default_layer_ids(num_target_layers)
 
 
+# the least value of each architecture setting, and the flag of `specdecode train` that sets it
+LEAST_SETTINGS = {
+    "num_layers": (1, "--layers"),
+    "block_size": (1, "--block-size"),
+    "markov_rank": (0, "--markov-rank"),
+    "num_anchors": (1, "--anchors"),
+    "draft_vocab_size": (0, "--draft-vocab"),
+    "ttt_steps": (1, "--ttt-steps"),
+}
+
+
+def check_architecture(kind: str, architecture: dict) -> None:
+    """Raise `SpecDecodeError` for a setting no drafter of `kind` can have (a run would fail on a tensor shape, or
+    train a drafter with no layers, only after loading the target)."""
+    least = dict(LEAST_SETTINGS)
+    if kind == "eagle3":
+        least["num_anchors"] = (0, "--anchors")  # 0: every position is unrolled
+    if architecture.get("sample_from_anchor") is False:
+        least["block_size"] = (2, "--block-size")  # the mask slots alone predict: B - 1 drafts
+    for name, value in architecture.items():
+        if name in least and value < least[name][0]:
+            low, flag = least[name]
+            raise SpecDecodeError(f"{flag} must be >= {low}, got {value}")
+
+
 def build_block_drafter(
     kind: str,
     target: Target,
@@ -123,8 +148,7 @@ def build_eagle3_drafter(
     num_anchors: int = 32,
 ) -> Eagle3Model:
     """A fresh EAGLE-3 drafter whose draft vocabulary is counted on `examples` (the training set)."""
-    if ttt_steps < 1:
-        raise SpecDecodeError(f"--ttt-steps must be >= 1, got {ttt_steps}")
+    check_architecture("eagle3", {"ttt_steps": ttt_steps, "num_anchors": num_anchors})
     c = target.config
     draft_ids = draft_vocabulary(examples, c.vocab_size, draft_vocab_size)
     config = Eagle3Config(

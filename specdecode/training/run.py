@@ -16,7 +16,13 @@ from specdecode.models.target import Target
 from specdecode.training.data import Example, tokenize_conversation
 from specdecode.training.features import OfflineFeatures, OnlineFeatures
 from specdecode.training.prompts import Conversation, check_disjoint
-from specdecode.training.recipes import TRAINABLE_KINDS, build_block_drafter, build_eagle3_drafter, recipe_layer_ids
+from specdecode.training.recipes import (
+    TRAINABLE_KINDS,
+    build_block_drafter,
+    build_eagle3_drafter,
+    check_architecture,
+    recipe_layer_ids,
+)
 from specdecode.training.regenerate import read_records
 from specdecode.training.trainer import TrainConfig, train
 
@@ -47,12 +53,13 @@ def is_held_out(example_id: str, fraction: float) -> bool:
     return int(hashlib.sha256(example_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
 
 
-def check_training_request(kind: str, max_conversations: int | None) -> None:
-    """Raise `SpecDecodeError` for a kind of drafter or a data size that no training could take."""
+def check_training_request(kind: str, max_conversations: int | None, architecture: dict | None = None) -> None:
+    """Raise `SpecDecodeError` for a kind of drafter, a data size or an architecture that no training could take."""
     if kind not in TRAINABLE_KINDS:
         raise SpecDecodeError(f"unknown drafter kind '{kind}'; choose one of {', '.join(TRAINABLE_KINDS)}")
     if max_conversations is not None and max_conversations < 1:
         raise SpecDecodeError(f"--max-conversations must be >= 1, got {max_conversations}")
+    check_architecture(kind, architecture or {})
 
 
 def run_training(
@@ -72,7 +79,7 @@ def run_training(
     order) and the same held-out set, for scaling curves. `init` fine-tunes a trained drafter of that kind
     instead of a fresh one: its architecture, target layers and draft vocabulary are kept, its calibration is
     dropped (it no longer describes the weights; run `specdecode calibrate` again)."""
-    check_training_request(kind, max_conversations)
+    check_training_request(kind, max_conversations, architecture)
     architecture = dict(architecture or {})
     layer_ids = architecture.pop("target_layer_ids", None) or recipe_layer_ids(kind, target.num_layers)
     initial = None

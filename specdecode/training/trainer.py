@@ -79,6 +79,15 @@ class TrainConfig:
             raise SpecDecodeError(f"unknown training precision '{self.precision}'; use float32 or bfloat16")
         if self.max_time_s is not None and not self.max_time_s > 0:
             raise SpecDecodeError(f"the time budget must be positive, got {self.max_time_s} s")
+        if not (math.isfinite(self.lr) and self.lr >= 0):  # 0 keeps the weights (a test of --init does)
+            raise SpecDecodeError(f"the learning rate must be a finite number >= 0, got {self.lr}")
+        counts = {"the micro-batch size": self.micro_batch_size, "gradient accumulation": self.grad_accum}
+        counts |= {"epochs": self.epochs, "max steps": 1 if self.max_steps is None else self.max_steps}
+        counts |= {"steps between checkpoints": self.save_every, "steps between evaluations": self.eval_every}
+        counts |= {"steps between log lines": self.log_every}
+        for name, count in counts.items():
+            if count < 1:
+                raise SpecDecodeError(f"{name} must be >= 1, got {count}")
 
 
 CLOCK_SLICES = 1000  # a run on a time budget: the thousandths of it spent stand in for steps done
