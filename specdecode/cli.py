@@ -791,7 +791,7 @@ def cmd_train(args) -> None:
     import torch
 
     from specdecode.training.recipes import DEFAULT_DRAFT_VOCAB
-    from specdecode.training.run import check_training_request, run_training
+    from specdecode.training.run import check_training_data, check_training_request, run_training
     from specdecode.training.trainer import TrainConfig
 
     config = TrainConfig(  # checked here, before minutes of loading, not after
@@ -820,6 +820,7 @@ def cmd_train(args) -> None:
             "draft_vocab_size": draft_vocab,
         }
     check_training_request(args.drafter, args.max_conversations, architecture)
+    check_training_data(args.data)
     architecture["target_layer_ids"] = _layer_ids(args.target_layers)
     target = _load_target(args)
     precision = args.precision

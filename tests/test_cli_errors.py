@@ -272,3 +272,17 @@ def test_training_settings_no_run_could_take_are_refused_before_loading(extra, e
 
     monkeypatch.setattr(specdecode.cli, "_load_target", no_loading)
     assert_one_line_error(run_main(capfd, *TRAIN, *extra), expected)
+
+
+def test_training_data_that_is_not_there_is_refused_before_loading(capfd, monkeypatch, tmp_path):
+    """A folder without shards (the shipped set's folder, which holds a packed .npz: the line names it) or a
+    packed set that does not exist is one line before the target loads, not after."""
+    import specdecode.cli
+
+    monkeypatch.setattr(specdecode.cli, "_load_target", lambda args: pytest.fail("the target was loaded"))
+    (tmp_path / "smollm2-135m.npz").write_bytes(b"")
+    out = ["--out", str(tmp_path / "run")]
+    line = assert_one_line_error(run_main(capfd, *TRAIN[:3], "--data", str(tmp_path), *out), "no regenerated")
+    assert f"--data {tmp_path / 'smollm2-135m.npz'}" in line
+    missing = str(tmp_path / "missing.npz")
+    assert_one_line_error(run_main(capfd, *TRAIN[:3], "--data", missing, *out), "no packed training set")

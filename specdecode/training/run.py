@@ -23,7 +23,7 @@ from specdecode.training.recipes import (
     check_architecture,
     recipe_layer_ids,
 )
-from specdecode.training.regenerate import read_records
+from specdecode.training.regenerate import SHARD_GLOB, read_records
 from specdecode.training.trainer import TrainConfig, train
 
 MIN_SUPERVISED_TOKENS = 8
@@ -37,9 +37,10 @@ def load_examples(target: Target, data_dir: str, max_length: int) -> list[Exampl
 
         examples = load_packed(target, data_dir, max_length)
         return [e for e in examples if int(e.loss_mask.sum()) >= MIN_SUPERVISED_TOKENS]
+    check_training_data(data_dir)
     records = read_records(data_dir)
     if not records:
-        raise SpecDecodeError(f"no regenerated conversations in {data_dir}; run `specdecode data regenerate` first")
+        raise SpecDecodeError(f"the shards in {data_dir} hold no complete conversation")
     conversations = [
         Conversation(r["id"], r.get("source", "?"), [m["content"] for m in r["messages"] if m["role"] == "user"])
         for r in records
@@ -51,6 +52,20 @@ def load_examples(target: Target, data_dir: str, max_length: int) -> list[Exampl
 
 def is_held_out(example_id: str, fraction: float) -> bool:
     return int(hashlib.sha256(example_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+
+
+def check_training_data(data: str | Path) -> None:
+    """Raise `SpecDecodeError` where `data` is neither a packed `.npz` nor a folder of regenerated shards, before
+    the target loads; a folder holding packed sets names them (`--data data/regenerated` for the shipped one)."""
+    path = Path(data)
+    if path.suffix == ".npz" and not path.is_file():
+        raise SpecDecodeError(f"no packed training set at {path}")
+    if path.suffix != ".npz" and not any(path.glob(SHARD_GLOB)):
+        packed = sorted(path.glob("*.npz"))
+        hint = f": it holds packed sets, pass one, e.g. --data {packed[0]}" if packed else ""
+        raise SpecDecodeError(
+            f"no regenerated conversations in {path}{hint or '; run `specdecode data regenerate` first'}"
+        )
 
 
 def check_training_request(kind: str, max_conversations: int | None, architecture: dict | None = None) -> None:
