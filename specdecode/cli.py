@@ -365,6 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-len", type=int, default=2048, help="tokens per request: prompt + completion")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="names the API answers to besides the target's (as vLLM's flag: e.g. the HF id clients ask for)",
+    )
 
     e = sub.add_parser("eval", help="accepted length and speedup of drafters on benchmarks (resumable)")
     _add_target_args(e)
@@ -947,7 +954,7 @@ def cmd_serve(args) -> None:
     )
     engine = ContinuousEngine(target, drafter, config)
     _note(f"KV cache: {args.max_batch} slots x {args.max_len} tokens = {engine.batched.nbytes / 2**20:.0f} MiB")
-    serve(engine, target.name, args.host, args.port)
+    serve(engine, target.name, args.host, args.port, tuple(args.served_model_name))
 
 
 _COMMANDS = {

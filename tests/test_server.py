@@ -22,7 +22,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.evaluation.serving_bench import VllmServer, percentile, summarize
 from specdecode.sampling import SamplingParams
 from specdecode.serving.app import BackgroundServer, create_app
-from specdecode.serving.protocol import SUPPORTED
+from specdecode.serving.protocol import SUPPORTED, ApiError, parse_request
 from specdecode.serving.schema import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -380,3 +380,20 @@ def test_serving_levels_send_fresh_prompts_or_their_drafters_forget():
     for k, (_, repeats) in enumerate(plans):
         assert repeats == any(sent[k] & sent[j] for j in range(k))
     assert not level_prompt_ids(3, 20, 80)[1] and level_prompt_ids(4, 20, 80)[1]
+
+
+def test_served_model_names_are_answered_and_listed(smollm2):
+    """`--served-model-name`: requests naming an alias (the HF id a client was set up with) are served, /v1/models
+    lists every name, and an unknown one is a 404 that names them all."""
+    from fastapi.testclient import TestClient
+
+    alias = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    names = (MODEL, alias)
+    body = {"model": alias, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert parse_request(body, True, smollm2, names, MAX_LEN).max_tokens == 2
+    with pytest.raises(ApiError, match=f"serves '{MODEL}', '{alias}'") as unknown:
+        parse_request({**body, "model": "gpt-4"}, True, smollm2, names, MAX_LEN)
+    assert unknown.value.status == 404
+    engine = ContinuousEngine(smollm2, Drafter(), EngineConfig(max_batch=1, max_len=MAX_LEN, draft_length=0))
+    listed = TestClient(create_app(engine, MODEL, (alias,))).get("/v1/models").json()  # no lifespan: no engine loop
+    assert [m["id"] for m in listed["data"]] == [MODEL, alias]

@@ -59,8 +59,10 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def create_app(engine: ContinuousEngine, model_name: str) -> FastAPI:
-    """The app serves `engine` under the model name `model_name`; its lifespan starts and drains the engine."""
+def create_app(engine: ContinuousEngine, model_name: str, aliases: tuple[str, ...] = ()) -> FastAPI:
+    """The app serves `engine` under the model name `model_name`, which its responses carry, and answers requests
+    for any of `aliases` too (vLLM's `--served-model-name`); its lifespan starts and drains the engine."""
+    names = (model_name, *[a for a in aliases if a != model_name])
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -96,7 +98,7 @@ def create_app(engine: ContinuousEngine, model_name: str) -> FastAPI:
     async def models():
         return {
             "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "specdecode"}],
+            "data": [{"id": name, "object": "model", "created": created, "owned_by": "specdecode"} for name in names],
         }
 
     @app.get("/metrics")
@@ -132,7 +134,7 @@ def create_app(engine: ContinuousEngine, model_name: str) -> FastAPI:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(f"the request body is not valid JSON ({e})") from e
-        req = parse_request(body, chat, engine.target, model_name, engine.config.max_len)
+        req = parse_request(body, chat, engine.target, names, engine.config.max_len)
         events: asyncio.Queue = asyncio.Queue()
         handles = _submit(req, events, asyncio.get_running_loop())
         prompt_tokens = len(req.prompt_ids)
@@ -279,7 +281,9 @@ def check_address(host: str, port: int) -> None:
         raise SpecDecodeError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
-def serve(engine: ContinuousEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
+def serve(
+    engine: ContinuousEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000, aliases: tuple[str, ...] = ()
+) -> None:
     """Run the server until SIGINT / SIGTERM, which drain the running requests; then return (exit status 0: a
     supervisor reads a non-zero one as a crash).
 
@@ -287,7 +291,8 @@ def serve(engine: ContinuousEngine, model_name: str, host: str = "127.0.0.1", po
     (`engine/continuous.py` says why that is 1.5-2.6x faster). Off the main thread uvicorn installs no signal
     handlers, so the ones here ask it to shut down: it stops accepting, finishes the open streams, and its
     lifespan stops the engine, which drains. A second SIGINT forces the exit (uvicorn's own `handle_exit`)."""
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), host=host, port=port, log_level="info"))
+    app = create_app(engine, model_name, aliases)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         engine.drive(server.run)

@@ -139,8 +139,11 @@ def _prompt_ids(body: dict, chat: bool, target: Target) -> list[int]:
     )
 
 
-def parse_request(body: object, chat: bool, target: Target, model_name: str, max_len: int) -> GenerationRequest:
-    """Check an OpenAI completions / chat completions body; raise `ApiError` with what is wrong."""
+def parse_request(
+    body: object, chat: bool, target: Target, model_names: tuple[str, ...], max_len: int
+) -> GenerationRequest:
+    """Check an OpenAI completions / chat completions body for a model of `model_names`; raise `ApiError` with
+    what is wrong."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     body = {k: v for k, v in body.items() if v is not None}
@@ -157,8 +160,9 @@ def parse_request(body: object, chat: bool, target: Target, model_name: str, max
             )
     if "model" not in body:
         raise ApiError("'model' is required", param="model")
-    if body["model"] != model_name:
-        raise ApiError(f"the model '{body['model']}' does not exist; this server serves '{model_name}'", 404, "model")
+    if body["model"] not in model_names:
+        served = ", ".join(f"'{name}'" for name in model_names)
+        raise ApiError(f"the model '{body['model']}' does not exist; this server serves {served}", 404, "model")
     prompt_ids = _prompt_ids(body, chat, target)
     max_tokens = _integer(body, "max_tokens", 1)
     if chat and max_tokens is None:
