@@ -54,6 +54,26 @@ def _add_tree_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_decoding_args(p: argparse.ArgumentParser) -> None:
+    """The target, the drafter and how a request is decoded: `generate`'s and `chat`'s."""
+    _add_target_args(p)
+    p.add_argument("--drafter", default="default", help=DRAFTER_HELP)
+    p.add_argument("--draft-model", default=None, help="for --drafter draft-model: a same-tokenizer LM")
+    p.add_argument("--draft-length", type=int, default=8, help="draft tokens verified per round")
+    p.add_argument(
+        "--scheduler",
+        default="auto",
+        choices=["auto", "fixed", "prefix", "threshold"],
+        help="how many drafts to verify: all (fixed), DSpark's Algorithm 1 (prefix), or a confidence threshold; "
+        "auto (the default): prefix for a chain drafter with confidences (DSpark, the default drafter), else fixed",
+    )
+    p.add_argument("--threshold", type=float, default=0.5, help="confidence cut of the threshold scheduler")
+    _add_tree_arg(p)
+    _add_sampling_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -61,28 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text, speculatively")
     g.add_argument("prompt", help="a chat message (or raw text with --raw); - reads it from standard input")
     g.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
-    _add_target_args(g)
-    g.add_argument(
-        "--drafter",
-        default="default",
-        help=DRAFTER_HELP,
-    )
-    g.add_argument("--draft-model", default=None, help="for --drafter draft-model: a same-tokenizer LM")
-    g.add_argument("--draft-length", type=int, default=8, help="draft tokens verified per round")
-    g.add_argument(
-        "--scheduler",
-        default="auto",
-        choices=["auto", "fixed", "prefix", "threshold"],
-        help="how many drafts to verify: all (fixed), DSpark's Algorithm 1 (prefix), or a confidence threshold; "
-        "auto (the default): prefix for a chain drafter with confidences (DSpark, the default drafter), else fixed",
-    )
-    g.add_argument("--threshold", type=float, default=0.5, help="confidence cut of the threshold scheduler")
-    _add_tree_arg(g)
-    _add_sampling_args(g)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_decoding_args(g)
     g.add_argument("--num-samples", type=int, default=1, help="independent completions of the prompt")
     g.add_argument("--json", action="store_true", help="print one JSON object with every completion")
+
+    ch = sub.add_parser("chat", help="a conversation on standard input, each reply decoded speculatively")
+    ch.add_argument("--system", default=None, help="a system message that opens the conversation")
+    _add_decoding_args(ch)
 
     d = sub.add_parser("demo", help="normal vs speculative decoding side by side on the default target")
     _add_target_args(d)
@@ -496,10 +501,18 @@ def _note(message: str) -> None:
     print(f"[specdecode] {message}", file=sys.stderr, flush=True)
 
 
-def cmd_generate(args) -> None:
+def _decoder(args, target, tree):
+    """`generate`'s and `chat`'s decoder: the drafter asked for and the scheduler that suits it."""
     from specdecode.drafters import build_drafter
     from specdecode.engine.decode import SpeculativeDecoder
     from specdecode.engine.scheduler import resolve_scheduler
+
+    drafter = build_drafter(args.drafter, target, args.draft_model)
+    scheduler = resolve_scheduler(args.scheduler, drafter, tree is not None)
+    return SpeculativeDecoder(target, drafter, args.draft_length, tree, scheduler, args.threshold)
+
+
+def cmd_generate(args) -> None:
     from specdecode.sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p)  # validate before loading anything
@@ -508,15 +521,12 @@ def cmd_generate(args) -> None:
     if not prompt.strip():
         raise SpecDecodeError("the prompt is empty")
     target = _load_target(args)
-    drafter = build_drafter(args.drafter, target, args.draft_model)
-    scheduler = resolve_scheduler(args.scheduler, drafter, tree is not None)
-    decoder = SpeculativeDecoder(target, drafter, args.draft_length, tree, scheduler, args.threshold)
+    decoder = _decoder(args, target, tree)
     prompt_ids = target.encode(prompt, chat=not args.raw)
     decoder.check_prompt(prompt_ids)
     room = target.max_context - len(prompt_ids)
     if room < args.max_new_tokens:
-        note = f"{target.name}'s context holds {target.max_context} tokens: {room} new at most"
-        print(f"[specdecode] {note}", file=sys.stderr)
+        _note(f"{target.name}'s context holds {target.max_context} tokens: {room} new at most")
     stream = not args.json and args.num_samples == 1
     completions = decoder.generate(
         prompt_ids,
@@ -533,7 +543,7 @@ def cmd_generate(args) -> None:
                 {
                     "target": target.name,
                     "drafter": args.drafter,
-                    "scheduler": scheduler,
+                    "scheduler": decoder.scheduler,
                     "completions": [
                         {
                             "text": c.text,
@@ -553,11 +563,17 @@ def cmd_generate(args) -> None:
     for i, c in enumerate(completions):
         if not stream:
             print(f"--- completion {i + 1} ---\n{c.text}")
-        s = c.stats
-        _note(
-            f"{s.new_tokens} tokens in {s.wall_s:.2f} s ({s.tokens_per_s:.1f} tok/s), "
-            f"mean accepted length {s.mean_accepted_length:.2f}, {s.target_passes} target passes, {scheduler} scheduler"
-        )
+        _note(f"{c.stats.summary()}, {decoder.scheduler} scheduler")
+
+
+def cmd_chat(args) -> None:
+    from specdecode.chat import run_chat
+    from specdecode.sampling import SamplingParams
+
+    params = SamplingParams(args.temperature, args.top_k, args.top_p)  # validate before loading anything
+    tree = _tree_settings(args.tree)
+    decoder = _decoder(args, _load_target(args), tree)
+    run_chat(decoder, params, args.max_new_tokens, _note, args.system, args.seed, tuple(args.stop))
 
 
 def cmd_demo(args) -> None:
@@ -959,6 +975,7 @@ def cmd_serve(args) -> None:
 
 _COMMANDS = {
     "generate": cmd_generate,
+    "chat": cmd_chat,
     "demo": cmd_demo,
     "cost": cmd_cost,
     "bench": cmd_bench,

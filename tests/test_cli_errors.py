@@ -286,3 +286,28 @@ def test_training_data_that_is_not_there_is_refused_before_loading(capfd, monkey
     assert f"--data {tmp_path / 'smollm2-135m.npz'}" in line
     missing = str(tmp_path / "missing.npz")
     assert_one_line_error(run_main(capfd, *TRAIN[:3], "--data", missing, *out), "no packed training set")
+
+
+def test_chat_answers_each_line_with_the_conversation_so_far(capfd, monkeypatch, smollm2):
+    """`specdecode chat`: each line is a user turn answered from the whole conversation, at T = 0 exactly as normal
+    greedy decoding answers those turns; /reset forgets the conversation; a turn past the context is one line on
+    stderr and the chat goes on; the end of the input ends it."""
+    from specdecode.drafters.base import Drafter
+    from specdecode.engine.decode import SpeculativeDecoder
+    from specdecode.sampling import SamplingParams
+
+    normal = SpeculativeDecoder(smollm2, Drafter(), draft_length=0)
+    messages, replies = [{"role": "system", "content": "Be brief."}], []
+    for turn in ("Name a colour.", "And another one?"):
+        messages.append({"role": "user", "content": turn})
+        ids = smollm2.encode_chat(messages)
+        replies.append(normal.generate(ids, SamplingParams(), max_new_tokens=12)[0].text)
+        messages.append({"role": "assistant", "content": replies[-1]})
+    fresh = normal.generate(smollm2.encode_chat([messages[0], messages[3]]), SamplingParams(), max_new_tokens=12)[0]
+    lines = ["Name a colour.", "", "And another one?", "word " * 9000, "/reset", "And another one?"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    done = run_main(capfd, "chat", "--system", "Be brief.", "--max-new-tokens", "12", "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "".join(f"{text}\n" for text in (*replies, fresh.text))
+    assert "context holds" in done.stderr and "/reset starts a new conversation" in done.stderr
+    assert done.stderr.count("mean accepted length") == 3 and "Traceback" not in done.stderr

@@ -56,6 +56,13 @@ class DecodeStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    def summary(self) -> str:
+        """One line for a person: tokens, time, speed, accepted length and passes."""
+        return (
+            f"{self.new_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.1f} tok/s), "
+            f"mean accepted length {self.mean_accepted_length:.2f}, {self.target_passes} target passes"
+        )
+
     def to_dict(self) -> dict:
         return {
             "new_tokens": self.new_tokens,

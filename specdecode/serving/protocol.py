@@ -30,10 +30,10 @@ def _is_zero(value: object) -> bool:
 
 
 # parameters accepted only at the value that asks for nothing, by endpoint: name -> is that value
+_NEUTRAL_BOTH = {"presence_penalty": _is_zero, "frequency_penalty": _is_zero, "logit_bias": lambda v: v == {}}
 NEUTRAL = {
-    "completions": {"presence_penalty": _is_zero, "frequency_penalty": _is_zero, "logit_bias": lambda v: v == {}}
-    | {"echo": lambda v: v is False, "best_of": lambda v: type(v) is int and v == 1},
-    "chat": {"presence_penalty": _is_zero, "frequency_penalty": _is_zero, "logit_bias": lambda v: v == {}}
+    "completions": _NEUTRAL_BOTH | {"echo": lambda v: v is False, "best_of": lambda v: type(v) is int and v == 1},
+    "chat": _NEUTRAL_BOTH
     | {"logprobs": lambda v: v is False, "tools": lambda v: v == [], "tool_choice": lambda v: v == "none"}
     | {"response_format": lambda v: v == {"type": "text"}},
 }
