@@ -72,6 +72,7 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
     _add_sampling_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--system", default=None, help="a system message before the user's (the chat template's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object with every completion")
 
     ch = sub.add_parser("chat", help="a conversation on standard input, each reply decoded speculatively")
-    ch.add_argument("--system", default=None, help="a system message that opens the conversation")
     _add_decoding_args(ch)
 
     d = sub.add_parser("demo", help="normal vs speculative decoding side by side on the default target")
@@ -520,9 +520,15 @@ def cmd_generate(args) -> None:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise SpecDecodeError("the prompt is empty")
+    if args.raw and args.system is not None:
+        raise SpecDecodeError("--system needs the chat template: it cannot go with --raw")
     target = _load_target(args)
     decoder = _decoder(args, target, tree)
-    prompt_ids = target.encode(prompt, chat=not args.raw)
+    if args.system is None:
+        prompt_ids = target.encode(prompt, chat=not args.raw)
+    else:
+        system = {"role": "system", "content": args.system}
+        prompt_ids = target.encode_chat([system, {"role": "user", "content": prompt}])
     decoder.check_prompt(prompt_ids)
     room = target.max_context - len(prompt_ids)
     if room < args.max_new_tokens:

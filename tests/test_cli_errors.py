@@ -90,6 +90,7 @@ VALIDATION_CASES = [
     (["generate", "hi", "--temperature", "abc"], "temperature"),
     (["generate", "hi", "--top-p", "0"], "top_p"),
     (["generate", "hi", "--top-p", "1.5"], "top_p"),
+    (["generate", "hi", "--raw", "--system", "Be brief."], "--system needs the chat template"),
     (["cost", "--hardware", "nope"], "unknown hardware"),
     (["cost", "--dtype", "nope"], "unknown dtype"),
     (["cost", "--positions", "0"], "positions"),
@@ -311,3 +312,5 @@ def test_chat_answers_each_line_with_the_conversation_so_far(capfd, monkeypatch,
     assert done.stdout == "".join(f"{text}\n" for text in (*replies, fresh.text))
     assert "context holds" in done.stderr and "/reset starts a new conversation" in done.stderr
     assert done.stderr.count("mean accepted length") == 3 and "Traceback" not in done.stderr
+    once = run_main(capfd, "generate", "Name a colour.", "--system", "Be brief.", "--max-new-tokens", "12", "--json")
+    assert json.loads(once.stdout)["completions"][0]["text"] == replies[0]  # generate's --system: the same turn
