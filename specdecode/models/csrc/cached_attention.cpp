@@ -19,7 +19,8 @@
 // CPU has native bfloat16 dot products (AVX512-BF16), attention over a bfloat16 cache multiplies in pairs: the
 // scores take the queries rounded to bfloat16, as the linears take their rows, and the value sums the softmax
 // weights rounded to bfloat16, two keys per instruction (`paired scores`, `paired value sums` below).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -790,12 +791,12 @@ std::vector<int64_t> AttentionWork::bounds(int64_t parts) const {
   return at;
 }
 
-AttentionWork attention_work(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                             const torch::Tensor& slots, const torch::Tensor& limits, double scale,
-                             const torch::Tensor* paths, const torch::Tensor* starts, torch::Tensor& out,
-                             torch::Tensor& partials) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.is_contiguous(), "cached_attention computes in float32");
-  TORCH_CHECK((keys.scalar_type() == torch::kFloat || keys.scalar_type() == torch::kBFloat16) &&
+AttentionWork attention_work(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                             const at::Tensor& slots, const at::Tensor& limits, double scale,
+                             const at::Tensor* paths, const at::Tensor* starts, at::Tensor& out,
+                             at::Tensor& partials) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(), "cached_attention computes in float32");
+  TORCH_CHECK((keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16) &&
                   values.scalar_type() == keys.scalar_type(),
               "cached_attention reads a float32 or bfloat16 cache");
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes(), "bad shapes");
@@ -805,10 +806,10 @@ AttentionWork attention_work(const torch::Tensor& q, const torch::Tensor& keys, 
   TORCH_CHECK(keys.size(1) == KV && keys.size(3) == D, "queries and cache disagree on heads or head size");
   TORCH_CHECK(D % 8 == 0, "cached_attention needs a head size that is a multiple of 8");
   TORCH_CHECK(limits.size(0) == R && limits.size(1) == M, "limits must be (rows, queries)");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && limits.scalar_type() == torch::kLong && slots.numel() == R &&
+  TORCH_CHECK(slots.scalar_type() == at::kLong && limits.scalar_type() == at::kLong && slots.numel() == R &&
                   slots.is_contiguous() && limits.is_contiguous(),
               "cached_attention: int64 slots (one a row) and limits");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == torch::kFloat,
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat,
               "cached_attention: an output like the queries");
   // scanned in place: limit.max().item() was two dispatched ops, ~2 us of a ~10 us one-token call
   const int64_t *sp = slots.data_ptr<int64_t>(), *lp = limits.data_ptr<int64_t>();
@@ -842,7 +843,7 @@ AttentionWork attention_work(const torch::Tensor& q, const torch::Tensor& keys, 
   const int64_t shares = std::min(M, units >= 2 * threads ? int64_t{1} : (2 * threads + units - 1) / units);
   partials.resize_({split ? partial_floats : 0});
   float* part = partials.data_ptr<float>();
-  const bool bf16 = keys.scalar_type() == torch::kBFloat16;
+  const bool bf16 = keys.scalar_type() == at::kBFloat16;
   return AttentionWork{q.data_ptr<float>(),
                        bf16 ? static_cast<const void*>(keys.data_ptr<at::BFloat16>()) : keys.data_ptr<float>(),
                        bf16 ? static_cast<const void*>(values.data_ptr<at::BFloat16>()) : values.data_ptr<float>(),
@@ -873,20 +874,20 @@ AttentionWork attention_work(const torch::Tensor& q, const torch::Tensor& keys, 
 // slots (R) int64: row r's slot; limits (R, M) int64: how many entries query m sees. Returns (R, KV, M, D).
 // Optional, for trees: paths (R, M, width) int64 and starts (R) int64: query m of row r sees entries
 // 0 .. starts[r] - 1, then paths[r][m][0 .. limits[r][m] - starts[r] - 1].
-torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
-                               torch::Tensor limits, double scale, c10::optional<torch::Tensor> paths,
-                               c10::optional<torch::Tensor> starts) {
+at::Tensor cached_attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor slots,
+                               at::Tensor limits, double scale, c10::optional<at::Tensor> paths,
+                               c10::optional<at::Tensor> starts) {
   q = q.contiguous();
   slots = slots.contiguous();
   limits = limits.contiguous();
-  torch::Tensor path_entries, path_starts;
+  at::Tensor path_entries, path_starts;
   if (paths.has_value()) {
     TORCH_CHECK(starts.has_value(), "cached_attention: paths need the rows' starts");
     path_entries = paths->contiguous();
     path_starts = starts->contiguous();
   }
-  auto out = torch::empty_like(q);
-  auto partials = torch::empty({0}, q.options());
+  auto out = at::empty_like(q);
+  auto partials = at::empty({0}, q.options());
   const auto work = attention_work(q, keys, values, slots, limits, scale, paths ? &path_entries : nullptr,
                                    paths ? &path_starts : nullptr, out, partials);
   const std::vector<int64_t> bounds = work.bounds(at::get_num_threads());

@@ -10,7 +10,8 @@
 // bfloat16 cache, no biases. Everything else stays on the Python loop (models/llama.py). With `head_norms`
 // every query and key head is RMS-normed before its rotation (Qwen3's block, which the block drafters use:
 // drafters/block_kernels.py runs their backbone here).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -22,13 +23,13 @@
 #include "parts.h"
 #include "vectors.h"
 
-torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w);
-torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+at::Tensor few_rows_linear(at::Tensor x, at::Tensor w);
+at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at::Tensor weight,
                            double eps);
-void rotate_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor cached_attention(torch::Tensor q, torch::Tensor keys, torch::Tensor values, torch::Tensor slots,
-                               torch::Tensor limits, double scale, c10::optional<torch::Tensor> paths,
-                               c10::optional<torch::Tensor> starts);
+void rotate_(at::Tensor x, int64_t heads, at::Tensor cos, at::Tensor sin);
+at::Tensor cached_attention(at::Tensor q, at::Tensor keys, at::Tensor values, at::Tensor slots,
+                               at::Tensor limits, double scale, c10::optional<at::Tensor> paths,
+                               c10::optional<at::Tensor> starts);
 
 namespace {
 
@@ -55,12 +56,12 @@ void silu_mul_row(const float* gate_up, float* out, int64_t n) {
   for (; j < n; ++j) out[j] = silu_v(vf{} + gate_up[j])[0] * up[j];
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
               "silu_mul: float32 rows [gate | up]");
   gate_up = gate_up.contiguous();
   const int64_t M = gate_up.size(0), n = gate_up.size(1) / 2;
-  auto out = torch::empty({M, n}, gate_up.options());
+  auto out = at::empty({M, n}, gate_up.options());
   const float* src = gate_up.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));  // a few rows: no thread team
@@ -81,7 +82,7 @@ void norm_heads_row(float* row, int64_t first, int64_t count, int64_t D, const f
   for (int64_t h = first; h < first + count; ++h) rms_norm_row(row + h * D, row + h * D, weight, D, eps);
 }
 
-void norm_heads_(torch::Tensor& qkv, int64_t first, int64_t count, int64_t D, const torch::Tensor& weight,
+void norm_heads_(at::Tensor& qkv, int64_t first, int64_t count, int64_t D, const at::Tensor& weight,
                  double eps) {
   float* base = qkv.data_ptr<float>();
   const int64_t M = qkv.size(0), width = qkv.size(1);
@@ -103,7 +104,7 @@ void write_cache_row(const float* row, Entry* kp, Entry* vp, int64_t at, int64_t
 }
 
 template <typename Entry>
-void write_cache(const torch::Tensor& qkv, torch::Tensor keys, torch::Tensor values, const int64_t* slots,
+void write_cache(const at::Tensor& qkv, at::Tensor keys, at::Tensor values, const int64_t* slots,
                  c10::IntArrayRef starts, c10::IntArrayRef counts, const std::vector<int64_t>& first, int64_t H,
                  int64_t KV, int64_t D) {
   const float* src = qkv.data_ptr<float>();
@@ -137,8 +138,8 @@ inline void ungroup_outputs_row(float* row, const float* grouped, int64_t r, int
 
 // What a pass's layers need besides the weights, checked once by decoder_layers.
 struct Pass {
-  torch::Tensor x, keys, values, cos, sin, slots, limits;
-  const torch::Tensor *paths, *path_starts;
+  at::Tensor x, keys, values, cos, sin, slots, limits;
+  const at::Tensor *paths, *path_starts;
   c10::IntArrayRef starts, counts;
   std::vector<int64_t> first;  // row r's tokens are packed rows first[r] .. first[r + 1] - 1
   int64_t R, M, H, KV, D, group, Q;
@@ -153,17 +154,17 @@ struct Pass {
 // pass is bit for bit the forked loop's), and split the per-token steps (norms, rotation, cache writes, rounding
 // the next product's inputs) by packed rows; the buffers are allocated once a pass, not once a kernel.
 template <typename Entry>
-torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, int64_t per_layer, bool head_norms,
-                          c10::IntArrayRef capture, std::vector<torch::Tensor>& captured) {
+at::Tensor team_layers(Pass& p, const std::vector<at::Tensor>& weights, int64_t per_layer, bool head_norms,
+                          c10::IntArrayRef capture, std::vector<at::Tensor>& captured) {
   const int64_t layers = static_cast<int64_t>(weights.size()) / per_layer, M = p.M, H = p.H, KV = p.KV, D = p.D;
   const int64_t hidden = p.x.size(1), width = (H + 2 * KV) * D, inner = weights[5].size(1) * 32;
   const auto options = p.x.options();
-  auto qkv = torch::empty({M, width}, options), attended = torch::empty({M, H * D}, options);
-  auto h = torch::empty({M, hidden}, options), projected = torch::empty({M, hidden}, options);
-  auto gate_up = torch::empty({M, 2 * inner}, options), act = torch::empty({M, inner}, options);
-  auto delta = torch::empty({M, hidden}, options);  // the first layer adds none (`layer > 0` below)
-  auto q = torch::zeros({p.R, KV, p.group * p.Q, D}, options);  // padded queries stay zero: finite, never read
-  auto out = torch::empty_like(q);
+  auto qkv = at::empty({M, width}, options), attended = at::empty({M, H * D}, options);
+  auto h = at::empty({M, hidden}, options), projected = at::empty({M, hidden}, options);
+  auto gate_up = at::empty({M, 2 * inner}, options), act = at::empty({M, inner}, options);
+  auto delta = at::empty({M, hidden}, options);  // the first layer adds none (`layer > 0` below)
+  auto q = at::zeros({p.R, KV, p.group * p.Q, D}, options);  // padded queries stay zero: finite, never read
+  auto out = at::empty_like(q);
   Q8Inputs rounded_hidden, rounded_heads, rounded_inner;  // the next product's input rows, rounded
   rounded_hidden.size_for(M, hidden);
   rounded_heads.size_for(M, H * D);
@@ -174,9 +175,9 @@ torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, in
       row_of[p.first[r] + i] = r;
       position_of[p.first[r] + i] = i;
     }
-  for (const int64_t c : capture) captured.push_back(torch::empty({M, hidden}, options));
+  for (const int64_t c : capture) captured.push_back(at::empty({M, hidden}, options));
   // checked once: the layers' caches differ only by where they start
-  auto partials = torch::empty({0}, options);
+  auto partials = at::empty({0}, options);
   const AttentionWork layer0 = attention_work(q, p.keys.select(0, 0), p.values.select(0, 0), p.slots, p.limits,
                                               p.scale, p.paths, p.path_starts, out, partials);
   float *x = p.x.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
@@ -199,7 +200,7 @@ torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, in
     }
     const int64_t part = omp_get_thread_num(), parts = omp_get_num_threads();
     const auto [m0, m1] = share_of(M, part, parts);  // this thread's packed rows for the per-token steps
-    const auto product = [&](const Q8Inputs& in, const torch::Tensor& w, float* y) {
+    const auto product = [&](const Q8Inputs& in, const at::Tensor& w, float* y) {
       const auto [g0, g1] = share_of(w.size(0), part, parts);
       q8_rows_groups(in, w, y, g0, g1);
       barrier.wait();
@@ -209,7 +210,7 @@ torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, in
       barrier.wait();
     };
     for (int64_t layer = 0; layer < layers; ++layer) {
-      const torch::Tensor* w = weights.data() + layer * per_layer;
+      const at::Tensor* w = weights.data() + layer * per_layer;
       for (int64_t m = m0; m < m1; ++m) {
         if (layer > 0)
           for (size_t c = 0; c < capture.size(); ++c)
@@ -275,10 +276,10 @@ torch::Tensor team_layers(Pass& p, const std::vector<torch::Tensor>& weights, in
 // (g, i) of row r sees, as the grouped queries of cached_attention, Q the longest row (attention alone runs on
 // rows padded to Q). Returns the last layer's output (to be added by the final norm), then x + output of each
 // layer in `capture`, in that order.
-std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor keys,
-                                          torch::Tensor values, torch::Tensor cos, torch::Tensor sin,
-                                          torch::Tensor slots, c10::IntArrayRef starts, c10::IntArrayRef counts,
-                                          torch::Tensor limits, c10::optional<torch::Tensor> paths, int64_t heads,
+std::vector<at::Tensor> decoder_layers(at::Tensor x, std::vector<at::Tensor> weights, at::Tensor keys,
+                                          at::Tensor values, at::Tensor cos, at::Tensor sin,
+                                          at::Tensor slots, c10::IntArrayRef starts, c10::IntArrayRef counts,
+                                          at::Tensor limits, c10::optional<at::Tensor> paths, int64_t heads,
                                           int64_t kv_heads, bool head_norms, double eps, c10::IntArrayRef capture) {
   const int64_t per_layer = kWeightsPerLayer + (head_norms ? kHeadNormWeights : 0);
   const int64_t layers = static_cast<int64_t>(weights.size()) / per_layer;
@@ -303,33 +304,33 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
   slots = slots.contiguous();
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
   const double scale = std::pow(static_cast<double>(D), -0.5);  // as the Python loop computes D ** -0.5
-  const c10::optional<torch::Tensor> path_starts =
-      paths.has_value() ? c10::optional<torch::Tensor>(torch::tensor(starts.vec(), slots.options())) : c10::nullopt;
+  const c10::optional<at::Tensor> path_starts =
+      paths.has_value() ? c10::optional<at::Tensor>(at::tensor(starts.vec(), slots.options())) : c10::nullopt;
   bool team = at::get_num_threads() > 1 && !at::in_parallel_region() && x.is_contiguous() && cos.is_contiguous() &&
               sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat;
   for (int64_t layer = 0; team && layer < layers; ++layer) {  // qkv, o, gate_up, down: rows of the widths they meet
-    const torch::Tensor* w = weights.data() + layer * per_layer;
+    const at::Tensor* w = weights.data() + layer * per_layer;
     for (const int64_t i : {1, 2, 4, 5}) team = team && q8_rows_weights(w[i]);
     team = team && w[1].size(1) * 32 == x.size(1) && w[1].size(0) * kQ8GroupRows == (H + 2 * KV) * D &&
            w[2].size(1) * 32 == H * D && w[4].size(1) * 32 == x.size(1) && w[4].size(0) * kQ8GroupRows == 2 * w[5].size(1) * 32;
   }
   if (team) {
-    const auto path_entries = paths.has_value() ? paths->contiguous() : torch::Tensor();
+    const auto path_entries = paths.has_value() ? paths->contiguous() : at::Tensor();
     Pass pass{x, keys, values, cos, sin, slots, limits.contiguous(), paths.has_value() ? &path_entries : nullptr,
               paths.has_value() ? &*path_starts : nullptr, starts, counts, first, R, M, H, KV, D, group, Q, scale,
               eps};
-    std::vector<torch::Tensor> captured;
+    std::vector<at::Tensor> captured;
     auto delta = bf16_cache ? team_layers<at::BFloat16>(pass, weights, per_layer, head_norms, capture, captured)
                             : team_layers<float>(pass, weights, per_layer, head_norms, capture, captured);
     captured.insert(captured.begin(), delta);
     return captured;
   }
-  auto q = torch::zeros({R, KV, group * Q, D}, x.options());  // padded queries stay zero: finite, never read
-  auto attended = torch::empty({M, H * D}, x.options());
-  std::vector<torch::Tensor> captured;
-  c10::optional<torch::Tensor> delta;
+  auto q = at::zeros({R, KV, group * Q, D}, x.options());  // padded queries stay zero: finite, never read
+  auto attended = at::empty({M, H * D}, x.options());
+  std::vector<at::Tensor> captured;
+  c10::optional<at::Tensor> delta;
   for (int64_t layer = 0; layer < layers; ++layer) {
-    const torch::Tensor* w = weights.data() + layer * per_layer;
+    const at::Tensor* w = weights.data() + layer * per_layer;
     auto h = add_rms_norm(x, delta, w[0], eps);
     auto qkv = few_rows_linear(h, w[1]);  // (M, (H + 2 KV) D)
     if (head_norms) {
@@ -372,9 +373,9 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
 // capacity, D). The kernels and their order are those of the Python glue it replaces where the plan runs
 // few-rows kernels (drafters/block_kernels.py: the products, add_rms_norm, rotate_, a tensor copy per layer into
 // the cache), so the cache gets the same values; the glue cost a drafting round 0.14-0.25 ms (stop 56).
-void project_context(torch::Tensor features, torch::Tensor fc, torch::Tensor norm, torch::Tensor kv_weight,
-                     std::vector<torch::Tensor> k_norms, torch::Tensor keys, torch::Tensor values, torch::Tensor cos,
-                     torch::Tensor sin, torch::Tensor slots, c10::IntArrayRef starts, c10::IntArrayRef counts,
+void project_context(at::Tensor features, at::Tensor fc, at::Tensor norm, at::Tensor kv_weight,
+                     std::vector<at::Tensor> k_norms, at::Tensor keys, at::Tensor values, at::Tensor cos,
+                     at::Tensor sin, at::Tensor slots, c10::IntArrayRef starts, c10::IntArrayRef counts,
                      double eps) {
   const int64_t layers = keys.size(0), KV = keys.size(2), D = keys.size(4), N = features.size(0);
   const bool bf16_cache = keys.scalar_type() == at::kBFloat16;

@@ -14,7 +14,8 @@
 // split the vocabulary. A 7-step chain over 8,192 x 64, alone on two Zen 4 cores (medians of 200): greedy
 // 169 -> 78 us, sampled 430 -> 128 us against stop 44's loop (which read w2 transposed row by row, rewrote the
 // sums once per j, found the maximum in a scalar scan and sampled on one core with std::exp).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -202,12 +203,12 @@ int64_t sampled_step(const float* base, const float* e, const uint16_t* blocks, 
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> markov_chain(torch::Tensor base, torch::Tensor w1,
-                                                                     torch::Tensor bias_blocks,
-                                                                     c10::optional<torch::Tensor> d2t,
-                                                                     torch::Tensor anchors,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> markov_chain(at::Tensor base, at::Tensor w1,
+                                                                     at::Tensor bias_blocks,
+                                                                     c10::optional<at::Tensor> d2t,
+                                                                     at::Tensor anchors,
                                                                      std::vector<double> temperatures,
-                                                                     c10::optional<torch::Tensor> uniforms) {
+                                                                     c10::optional<at::Tensor> uniforms) {
   TORCH_CHECK(base.dim() == 3 && base.scalar_type() == at::kFloat && w1.scalar_type() == at::kFloat &&
                   bias_blocks.scalar_type() == at::kBFloat16 && anchors.scalar_type() == at::kLong,
               "markov_chain: float32 logits (R, G, N) and embedding (V, rank), bfloat16 bias blocks; long anchors");
@@ -221,20 +222,20 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> markov_chain(torch::Tens
                   static_cast<int64_t>(temperatures.size()) == R,
               "markov_chain: shapes");
   const bool sampling = std::any_of(temperatures.begin(), temperatures.end(), [](double t) { return t > 0; });
-  torch::Tensor draws;
+  at::Tensor draws;
   if (sampling) {
     TORCH_CHECK(uniforms && uniforms->scalar_type() == at::kDouble && uniforms->size(0) == R && uniforms->size(1) == G,
                 "markov_chain: sampling needs uniforms (R, G) in float64");
     draws = uniforms->contiguous();
   }
-  torch::Tensor map;
+  at::Tensor map;
   if (d2t) {
     map = d2t->contiguous();
     TORCH_CHECK(map.scalar_type() == at::kLong && map.numel() == N, "markov_chain: d2t (N) long");
   }
-  auto logits = torch::empty_like(base);
-  auto embedded = torch::empty({R, G, rank}, base.options());
-  auto tokens = torch::empty({R, G}, anchors.options());
+  auto logits = at::empty_like(base);
+  auto embedded = at::empty({R, G, rank}, base.options());
+  auto tokens = at::empty({R, G}, anchors.options());
   const float *bp = base.data_ptr<float>(), *w1p = w1.data_ptr<float>();
   const uint16_t* blocks = reinterpret_cast<const uint16_t*>(bias_blocks.data_ptr<at::BFloat16>());
   const int64_t* mp = d2t ? map.data_ptr<int64_t>() : nullptr;
@@ -265,11 +266,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> markov_chain(torch::Tens
 
 // w2 (N, rank) float32 or bfloat16 -> (ceil(N / kBias), rank, kBias) bfloat16 blocks for markov_chain, each
 // entry rounded to bfloat16 (to nearest even) and placed as `slot` says; padding is zero.
-torch::Tensor markov_bias_blocks(torch::Tensor w2) {
+at::Tensor markov_bias_blocks(at::Tensor w2) {
   TORCH_CHECK(w2.dim() == 2, "markov_bias_blocks: w2 (N, rank)");
   const auto w = w2.to(at::kBFloat16).contiguous();
   const int64_t N = w.size(0), rank = w.size(1), count = (N + kBias - 1) / kBias;
-  auto blocks = torch::zeros({count, rank, kBias}, w.options());
+  auto blocks = at::zeros({count, rank, kBias}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(blocks.data_ptr<at::BFloat16>());
   for (int64_t n = 0; n < N; ++n)

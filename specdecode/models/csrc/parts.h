@@ -2,7 +2,8 @@
 // threads for a whole pass (decoder_layers.cpp) instead of forking one per kernel call.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -36,14 +37,14 @@ struct Q8Inputs {
 
 // True where w is interleaved Q4_1 or Q8_0 groups (N / G, K / 32, 20 G or 34 G), G = kQ8GroupRows, and this build
 // has the kernel.
-bool q8_rows_weights(const torch::Tensor& w);
+bool q8_rows_weights(const at::Tensor& w);
 // Rounds x (M, K) into `in`, reusing its buffers.
 void q8_round_inputs(const float* x, int64_t M, int64_t K, Q8Inputs& in);
 // Rounds rows m0 .. m1 - 1 of x (in.M, in.K) into `in`, sized for them (`size_for`).
 void q8_round_rows(const float* x, int64_t m0, int64_t m1, Q8Inputs& in);
 // Groups g0 .. g1 - 1 of kQ8GroupRows output columns of y (M, N) = rounded rows . w^T; each output is computed the same
 // way whichever part holds it.
-void q8_rows_groups(const Q8Inputs& in, const torch::Tensor& w, float* y, int64_t g0, int64_t g1);
+void q8_rows_groups(const Q8Inputs& in, const at::Tensor& w, float* y, int64_t g0, int64_t g1);
 
 // Each query's softmax over each chunk of its entries before they are joined: the maximum score, the total of
 // exp(score - maximum) and the values weighted so (D each), query q's chunk c at q * chunks + c.
@@ -79,10 +80,10 @@ struct AttentionWork {
 // q (R, KV, M, D) float32 contiguous; keys, values a layer's cache; slots (R), limits (R, M), paths (R, M, width)
 // and starts (R) contiguous int64 (paths null for chains); out like q; `partials` (float32) resized to hold the
 // chunks' partial results. Checks what cached_attention checks.
-AttentionWork attention_work(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                             const torch::Tensor& slots, const torch::Tensor& limits, double scale,
-                             const torch::Tensor* paths, const torch::Tensor* starts, torch::Tensor& out,
-                             torch::Tensor& partials);
+AttentionWork attention_work(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                             const at::Tensor& slots, const at::Tensor& limits, double scale,
+                             const at::Tensor* paths, const at::Tensor* starts, at::Tensor& out,
+                             at::Tensor& partials);
 
 // A barrier for a team of threads that meets hundreds of times a pass: a spinning counter costs ~0.25 us where
 // an OpenMP barrier costs ~0.6 us and a fork and join of the team ~2 us (2-core EPYC).

@@ -17,7 +17,8 @@
 // so a row's result never depends on the other rows of its pass: a verify pass over k + 1 positions computes
 // bit for bit what k + 1 one-token steps compute (tested). Against the float32 weights the result differs by
 // the inputs' rounding to 8 bits (~0.4% of a block's largest input), the precision class of a bfloat16 row.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <chrono>
@@ -401,7 +402,7 @@ double q8_multiply_peak(double seconds) {
   return total;
 }
 
-bool q8_rows_weights(const torch::Tensor& w) {
+bool q8_rows_weights(const at::Tensor& w) {
   const int64_t bytes = w.dim() == 3 ? w.size(2) : 0;
   return w.scalar_type() == at::kByte && (bytes == Q4_1Groups::kBytes || bytes == Q8_0Groups::kBytes) &&
          w.is_contiguous();
@@ -417,7 +418,7 @@ void q8_round_inputs(const float* x, int64_t M, int64_t K, Q8Inputs& in) {
   q8_round_rows(x, 0, M, in);
 }
 
-void q8_rows_groups(const Q8Inputs& in, const torch::Tensor& w, float* y, int64_t g0, int64_t g1) {
+void q8_rows_groups(const Q8Inputs& in, const at::Tensor& w, float* y, int64_t g0, int64_t g1) {
   const int64_t N = w.size(0) * kQ8GroupRows;
   const uint8_t* P = w.data_ptr<uint8_t>();
   if (w.size(2) == Q4_1Groups::kBytes)
@@ -427,7 +428,7 @@ void q8_rows_groups(const Q8Inputs& in, const torch::Tensor& w, float* y, int64_
 }
 
 // x float32 (M, K); w interleaved Q4_1 or Q8_0 groups (N / G, K / 32, 20 G or 34 G) uint8, G = kQ8GroupRows.
-torch::Tensor q8_rows_linear(torch::Tensor x, torch::Tensor w) {
+at::Tensor q8_rows_linear(at::Tensor x, at::Tensor w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && q8_rows_weights(w) && x.size(1) == w.size(1) * 32,
               "q8_rows_linear: float32 x (M, K), interleaved Q4_1 or Q8_0 groups w (N / G, K / 32, 20 G or 34 G)");
   x = x.contiguous();
@@ -437,7 +438,7 @@ torch::Tensor q8_rows_linear(torch::Tensor x, torch::Tensor w) {
   thread_local Q8Inputs buffers;
   Q8Inputs& rounded = buffers;  // the calling thread's: a thread_local named in the loop would be each worker's own
   q8_round_inputs(x.data_ptr<float>(), M, K, rounded);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
   at::parallel_for(0, N / kQ8GroupRows, 8, [&](int64_t g0, int64_t g1) { q8_rows_groups(rounded, w, out, g0, g1); });
   return y;
@@ -447,14 +448,14 @@ torch::Tensor q8_rows_linear(torch::Tensor x, torch::Tensor w) {
 
 bool q8_rows_available() { return false; }
 double q8_multiply_peak(double) { TORCH_CHECK(false, "q8 rows: needs AVX2"); }
-bool q8_rows_weights(const torch::Tensor&) { return false; }
+bool q8_rows_weights(const at::Tensor&) { return false; }
 void q8_round_inputs(const float*, int64_t, int64_t, Q8Inputs&) { TORCH_CHECK(false, "q8 rows: needs AVX2"); }
 void q8_round_rows(const float*, int64_t, int64_t, Q8Inputs&) { TORCH_CHECK(false, "q8 rows: needs AVX2"); }
-void q8_rows_groups(const Q8Inputs&, const torch::Tensor&, float*, int64_t, int64_t) {
+void q8_rows_groups(const Q8Inputs&, const at::Tensor&, float*, int64_t, int64_t) {
   TORCH_CHECK(false, "q8 rows: needs AVX2");
 }
 
-torch::Tensor q8_rows_linear(torch::Tensor, torch::Tensor) {
+at::Tensor q8_rows_linear(at::Tensor, at::Tensor) {
   TORCH_CHECK(false, "q8_rows_linear: needs AVX2, F16C and FMA");
 }
 

@@ -15,7 +15,8 @@
 // bfloat16 weights: where the CPU has AVX512-BF16 the rows are rounded to bfloat16 once and multiplied
 // pairwise in hardware (vdpbf16ps: twice the products of a float32 FMA, as llama.cpp's BF16 path does);
 // elsewhere the weights are widened exactly to float32 and the rows stay float32.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <type_traits>
@@ -428,13 +429,13 @@ static std::vector<uint32_t> bfloat16_pairs(const float* x, int64_t n) {
 // for its share of the next group's weights as it goes: a whole pass at 8 positions 21.1 -> 18.6 ms, 16
 // positions 29.7 -> 26.8 ms (one position 12.1 ms either way; interleaved, 300 cached tokens, Zen 4 EPYC).
 // One tile (up to eight rows) streams well on the hardware's own prefetch; asking ahead there measured slower.
-static torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels) {
+static at::Tensor panel_linear(at::Tensor x, at::Tensor panels) {
   const int64_t M = x.size(0), groups = panels.size(0), K2 = panels.size(1), N = groups * kPanelOutputs;
   TORCH_CHECK(x.size(1) == 2 * K2 && panels.size(2) == 128 && panels.is_contiguous(), "few_rows_linear: panels");
   const std::vector<uint32_t> rows = bfloat16_pairs(x.data_ptr<float>(), M * 2 * K2);  // once per pass
   const uint32_t* X = rows.data();
   const at::BFloat16* P = panels.data_ptr<at::BFloat16>();
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   float* Y = y.data_ptr<float>();
   const int64_t tiles = M <= 8 ? 1 : (M + 5) / 6;
   if (M <= 2) {
@@ -461,7 +462,7 @@ static torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels) {
 }
 #endif
 
-torch::Tensor q8_rows_linear(torch::Tensor x, torch::Tensor w);  // csrc/q8_rows.cpp
+at::Tensor q8_rows_linear(at::Tensor x, at::Tensor w);  // csrc/q8_rows.cpp
 
 bool bfloat16_panels() {
 #if defined(__AVX512BF16__)
@@ -473,7 +474,7 @@ bool bfloat16_panels() {
 
 // x float32; w float32 or bfloat16 (N, K), bfloat16 panels (see panel_linear), GGUF rows, or interleaved Q4_1 or
 // Q8_0 groups (uint8, three dimensions: csrc/q8_rows.cpp, where x is rounded to 8 bits); y float32.
-torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
+at::Tensor few_rows_linear(at::Tensor x, at::Tensor w) {
   if (w.dim() == 3 && w.scalar_type() == at::kByte) return q8_rows_linear(x, w);
 #if defined(__AVX512BF16__)
   if (w.dim() == 3) {
@@ -489,7 +490,7 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
                     (q4_1 || width == K / 32 * static_cast<int64_t>(sizeof(Q8_0))),
                 "few_rows_linear: float32 x (M, K), Q4_1 or Q8_0 blocks w (N, K / 32 * 20 or 34)");
     x = x.contiguous();
-    auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+    auto y = at::empty({x.size(0), w.size(0)}, x.options());
     const uint8_t* blocks = w.data_ptr<uint8_t>();
     if (q4_1)
       block_linear(x.data_ptr<float>(), reinterpret_cast<const Q4_1*>(blocks), y.data_ptr<float>(), x.size(0), K,
@@ -504,7 +505,7 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(w.is_contiguous(), "few_rows_linear: w must be contiguous");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (w.scalar_type() == at::kBFloat16) {
 #if defined(__AVX512BF16__)
     const auto rows = x.to(at::kBFloat16);  // round to nearest even, once per pass
@@ -538,16 +539,16 @@ void add_rms_norm_row(float* residual, const float* delta, const float* weight, 
 }
 
 // residual (M, H) += delta (when given); returns residual / rms(residual) * weight.
-torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at::Tensor weight,
                            double eps) {
   TORCH_CHECK(residual.is_contiguous() && residual.scalar_type() == at::kFloat, "add_rms_norm: float32 rows");
   const int64_t H = residual.size(-1), M = residual.numel() / H;
   float* r = residual.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
-  torch::Tensor d;
+  at::Tensor d;
   if (delta) d = delta->contiguous();
   const float* dp = delta ? d.data_ptr<float>() : nullptr;
-  auto out = torch::empty_like(residual);
+  auto out = at::empty_like(residual);
   float* o = out.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
     add_rms_norm_row(r + m * H, dp ? dp + m * H : nullptr, w, o + m * H, H, static_cast<float>(eps));
@@ -568,7 +569,7 @@ void rotate_row(float* row, int64_t heads, int64_t D, const float* c, const floa
 
 // Rotates, in place, the first `heads` heads of every token of x (N, all_heads, D) by its angles:
 // x * cos + rotate_half(x) * sin, with cos and sin (N, D) and rotate_half(x) = [-x2, x1].
-void rotate_(torch::Tensor x, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
+void rotate_(at::Tensor x, int64_t heads, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotate_: float32");
   const int64_t N = x.size(0), D = x.size(2), stride = x.stride(0);
   cos = cos.contiguous();

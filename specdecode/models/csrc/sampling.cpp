@@ -7,7 +7,9 @@
 // is ~8 dispatched ops: 0.07 ms warm and 0.14-0.22 ms right after a target pass on a 2-core EPYC, ~3% of a
 // one-token step, and once per row of a batch. Here it is one pass over the weights and a scan of one block.
 // The softmax before it (a division, then ATen's softmax) took another 0.16-0.24 ms right after a pass.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -73,7 +75,7 @@ int64_t sample_row(const float* p, int64_t n, double u) {
 }
 
 // sample_row of a 1-D float32 CPU tensor.
-int64_t sample_index(torch::Tensor weights, double u) {
+int64_t sample_index(at::Tensor weights, double u) {
   TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.device().is_cpu(),
               "sample_index: a 1-D float32 CPU tensor");
   TORCH_CHECK(weights.numel() > 0, "sample_index: no weights");
@@ -153,12 +155,12 @@ void tempered_softmax_row(const float* z, float* out, int64_t n, float t) {
 }
 
 // p = softmax(logits / t) over the last dimension of float32 logits (..., V), t > 0; rows on the threads.
-torch::Tensor tempered_softmax(torch::Tensor logits, double temperature) {
+at::Tensor tempered_softmax(at::Tensor logits, double temperature) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.device().is_cpu() && logits.dim() >= 1,
               "tempered_softmax: float32 CPU logits");
   TORCH_CHECK(temperature > 0, "tempered_softmax: a temperature > 0");
   logits = logits.contiguous();
-  auto out = torch::empty_like(logits);
+  auto out = at::empty_like(logits);
   const int64_t V = logits.size(-1), R = V ? logits.numel() / V : 0;
   const float* z = logits.data_ptr<float>();
   float* p = out.data_ptr<float>();
@@ -169,14 +171,14 @@ torch::Tensor tempered_softmax(torch::Tensor logits, double temperature) {
 }
 
 // Each row's argmax over the last dimension of float32 logits (..., V): int64 (...); rows on the threads.
-torch::Tensor greedy_tokens(torch::Tensor logits) {
+at::Tensor greedy_tokens(at::Tensor logits) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.device().is_cpu() && logits.dim() >= 1 &&
                   logits.size(-1) > 0,
               "greedy_tokens: float32 CPU logits with a nonempty last dimension");
   TORCH_CHECK(logits.size(-1) < INT32_MAX, "greedy_tokens: rows of fewer than 2^31 entries");
   logits = logits.contiguous();
   const int64_t V = logits.size(-1), R = logits.numel() / V;
-  auto out = torch::empty(logits.sizes().slice(0, logits.dim() - 1), logits.options().dtype(at::kLong));
+  auto out = at::empty(logits.sizes().slice(0, logits.dim() - 1), logits.options().dtype(at::kLong));
   const float* z = logits.data_ptr<float>();
   int64_t* tokens = out.data_ptr<int64_t>();
   at::parallel_for(0, R, 2, [&](int64_t r0, int64_t r1) {
@@ -197,9 +199,9 @@ torch::Tensor greedy_tokens(torch::Tensor logits) {
 // target_probs (k + 1 or more, V) float32; draft_tokens (k) int64 target ids; draft_probs (k, N) float32, the q
 // each draft was drawn from (none: deterministic drafts); support (N) int64, the increasing target ids of q's
 // columns (none: N = V).
-std::tuple<int64_t, int64_t> block_verify(torch::Tensor target_probs, torch::Tensor draft_tokens,
-                                          c10::optional<torch::Tensor> draft_probs,
-                                          c10::optional<torch::Tensor> support, double u_tau, double u_token) {
+std::tuple<int64_t, int64_t> block_verify(at::Tensor target_probs, at::Tensor draft_tokens,
+                                          c10::optional<at::Tensor> draft_probs,
+                                          c10::optional<at::Tensor> support, double u_tau, double u_token) {
   const int64_t k = draft_tokens.numel();
   TORCH_CHECK(target_probs.dim() == 2 && target_probs.scalar_type() == at::kFloat && target_probs.device().is_cpu() &&
                   draft_tokens.scalar_type() == at::kLong && k >= 1 && target_probs.size(0) > k,
@@ -211,7 +213,7 @@ std::tuple<int64_t, int64_t> block_verify(torch::Tensor target_probs, torch::Ten
   const int64_t* x = draft_tokens.data_ptr<int64_t>();
   const auto in_vocabulary = [V](int64_t t) { return 0 <= t && t < V; };
   TORCH_CHECK(std::all_of(x, x + k, in_vocabulary), "block_verify: a draft outside the vocabulary");
-  torch::Tensor q_rows, columns;
+  at::Tensor q_rows, columns;
   const float* Q = nullptr;
   const int64_t* S = nullptr;
   int64_t N = V;
