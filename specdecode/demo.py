@@ -31,7 +31,7 @@ def run_demo(target: Target, drafter_spec: str, max_new_tokens: int) -> None:
         ids = target.encode(prompt)
         print(f"=== prompt {n}: {prompt.splitlines()[0][:90]}")
         base = normal.generate(ids, params, max_new_tokens=max_new_tokens)[0]
-        print(f"--- speculative ({drafter_spec}), streamed as tokens are accepted:")
+        print("--- speculative, streamed as rounds are accepted:")
         spec = speculative.generate(
             ids, params, max_new_tokens=max_new_tokens, on_text=lambda _i, t: print(t, end="", flush=True)
         )[0]
