@@ -137,6 +137,8 @@ def test_concurrent_clients_get_their_own_results(client):
         (json.dumps({"model": MODEL, "prompt": "hi", "n": 0}), 400, "n"),
         (json.dumps({"model": MODEL, "prompt": "hi", "stop": 5}), 400, "stop"),
         (json.dumps({"model": MODEL, "prompt": ""}), 400, "prompt"),
+        (json.dumps({"model": MODEL, "prompt": ["hi", ""]}), 400, "prompt"),
+        (json.dumps({"model": MODEL, "prompt": ["hi"] * 65}), 400, "prompt"),
         (json.dumps({"model": MODEL, "prompt": "hi", "echo": True}), 400, "echo"),
         (json.dumps({"model": MODEL, "prompt": "hi", "best_of": 2}), 400, "best_of"),
         (json.dumps({"model": MODEL, "prompt": "hi", "presence_penalty": False}), 400, "presence_penalty"),
@@ -163,6 +165,19 @@ def test_bad_chat_requests_and_routes(server, client):
     assert client.completions.create(model=MODEL, prompt="Still", max_tokens=2).usage.completion_tokens >= 1
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert _raw(server, "GET", "/health")[0] == 200
+
+
+def test_a_list_of_prompts_gets_n_choices_each(client, smollm2):
+    """OpenAI's and vLLM's batch of prompts: choice p * n + j answers prompt p (at T = 0 each as normal decoding
+    answers it alone), and usage counts every prompt's tokens once."""
+    prompts = ["The sun is", "Water boils at"]
+    ids = [smollm2.tokenizer.encode(p) for p in prompts]
+    response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, n=2, temperature=0)
+    alone = [_normal_greedy_text(smollm2, p, 6) for p in ids]
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == [alone[0]] * 2 + [alone[1]] * 2
+    assert response.usage.prompt_tokens == sum(len(p) for p in ids)
+    as_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in sorted(as_ids.choices, key=lambda c: c.index)] == alone
 
 
 def test_what_client_libraries_send_by_default_is_served(client):

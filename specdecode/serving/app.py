@@ -137,7 +137,7 @@ def create_app(engine: ContinuousEngine, model_name: str, aliases: tuple[str, ..
         req = parse_request(body, chat, engine.target, names, engine.config.max_len)
         events: asyncio.Queue = asyncio.Queue()
         handles = _submit(req, events, asyncio.get_running_loop())
-        prompt_tokens = len(req.prompt_ids)
+        prompt_tokens = sum(len(p) for p in req.prompts)
         if req.stream:
             stream = _stream(chat, req, handles, events, prompt_tokens)
             return StreamingResponse(stream, media_type="text/event-stream")
@@ -152,10 +152,11 @@ def create_app(engine: ContinuousEngine, model_name: str, aliases: tuple[str, ..
 
         handles = []
         try:
-            for i, seed in enumerate(req.seeds):
+            choices = [(prompt, seed) for prompt in req.prompts for seed in req.seeds]
+            for i, (prompt, seed) in enumerate(choices):
                 handles.append(
                     engine.submit(
-                        req.prompt_ids,
+                        prompt,
                         req.params,
                         req.max_tokens,
                         req.stop,

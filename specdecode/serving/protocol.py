@@ -18,6 +18,7 @@ from specdecode.models.target import Target
 from specdecode.sampling import SamplingParams
 
 MAX_CHOICES = 16
+MAX_PROMPTS = 64  # a completions request's batch of prompts (OpenAI's and vLLM's list of prompts)
 MAX_STOP_STRINGS = 4
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user"}
@@ -58,9 +59,10 @@ class ApiError(SpecDecodeError):
 
 @dataclass
 class GenerationRequest:
-    """A validated request: what to submit to the engine, `n` times with seeds `seeds`."""
+    """A validated request: what to submit to the engine, each prompt `n` times with seeds `seeds` (choice
+    p * n + j is prompt p's j-th)."""
 
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     params: SamplingParams
     max_tokens: int
     stop: tuple[str, ...]
@@ -121,22 +123,27 @@ def _message(m: object) -> dict:
     return {"role": _ROLES[role], "content": text}
 
 
-def _prompt_ids(body: dict, chat: bool, target: Target) -> list[int]:
+def _prompts(body: dict, chat: bool, target: Target) -> list[list[int]]:
+    """The token ids of each prompt: a chat's one; a completion's text, its token ids, or a list of either."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError("'messages' must be a non-empty list of {role, content} objects", param="messages")
-        return target.encode_chat([_message(m) for m in messages])
+        return [target.encode_chat([_message(m) for m in messages])]
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-        return target.encode(prompt, chat=False)
-    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < target.vocab_size for t in prompt):
-        return list(prompt)
-    raise ApiError(
-        "'prompt' must be a non-empty string or a list of token ids (one prompt per request)", param="prompt"
-    )
+    batch = prompt if isinstance(prompt, list) and prompt and not all(type(t) is int for t in prompt) else [prompt]
+    prompts = []
+    for item in batch[: MAX_PROMPTS + 1]:
+        if isinstance(item, str) and item:
+            prompts.append(target.encode(item, chat=False))
+        elif isinstance(item, list) and item and all(type(t) is int and 0 <= t < target.vocab_size for t in item):
+            prompts.append(list(item))
+    if len(prompts) != len(batch) or len(batch) > MAX_PROMPTS:
+        raise ApiError(
+            f"'prompt' must be a non-empty string, a list of token ids, or a list of up to {MAX_PROMPTS} of either",
+            param="prompt",
+        )
+    return prompts
 
 
 def parse_request(
@@ -163,23 +170,22 @@ def parse_request(
     if body["model"] not in model_names:
         served = ", ".join(f"'{name}'" for name in model_names)
         raise ApiError(f"the model '{body['model']}' does not exist; this server serves {served}", 404, "model")
-    prompt_ids = _prompt_ids(body, chat, target)
+    prompts = _prompts(body, chat, target)
+    longest = max(len(p) for p in prompts)  # every prompt gets the same max_tokens
     max_tokens = _integer(body, "max_tokens", 1)
     if chat and max_tokens is None:
         max_tokens = _integer(body, "max_completion_tokens", 1)
-    if len(prompt_ids) >= max_len:
+    if longest >= max_len:
         raise ApiError(
-            f"the prompt has {len(prompt_ids)} tokens but this server's context holds {max_len} per request",
+            f"the prompt has {longest} tokens but this server's context holds {max_len} per request",
             param="messages" if chat else "prompt",
             code="context_length_exceeded",
         )
     if max_tokens is None:
-        max_tokens = (
-            max_len - len(prompt_ids) if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, max_len - len(prompt_ids))
-        )
-    elif len(prompt_ids) + max_tokens > max_len:
+        max_tokens = max_len - longest if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, max_len - longest)
+    elif longest + max_tokens > max_len:
         raise ApiError(
-            f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}, but this server's context "
+            f"the prompt has {longest} tokens and max_tokens is {max_tokens}, but this server's context "
             f"holds {max_len} per request: lower max_tokens or shorten the prompt",
             param="max_tokens",
             code="context_length_exceeded",
@@ -202,7 +208,7 @@ def parse_request(
         raise ApiError(f"'speculative' must be a boolean, got {speculate!r}", param="speculative")
     return GenerationRequest(
         speculate=speculate,
-        prompt_ids=prompt_ids,
+        prompts=prompts,
         params=params,
         max_tokens=max_tokens,
         stop=_stop(body),

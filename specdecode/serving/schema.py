@@ -32,7 +32,9 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] = Field(description="text, or token ids")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="text, token ids, or a list of up to 64 of either (choice p * n + j answers prompt p)"
+    )
     echo: Literal[False] | None = Field(None, description="accepted false only")
     best_of: Literal[1] | None = Field(None, description="accepted at 1 only")
 
