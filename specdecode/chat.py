@@ -26,9 +26,9 @@ def run_chat(
     seed: int = 0,
     stop: tuple[str, ...] = (),
     lines: TextIO | None = None,
-) -> list[dict]:
-    """Answer each line of `lines` (standard input) in turn; returns the conversation. Turn t samples with
-    seed + t, so a seeded conversation replays."""
+) -> None:
+    """Answer each line of `lines` (standard input) in turn. Turn t samples with seed + t, so a seeded
+    conversation replays."""
     lines = lines or sys.stdin
     opening = [{"role": "system", "content": system}] if system else []
     messages, interactive, turn = list(opening), lines.isatty(), 0
@@ -39,11 +39,12 @@ def run_chat(
         line = lines.readline()
         text = line.strip()
         if not line or text == "/exit":
-            return messages
+            return
         if text == "/reset":
             messages = list(opening)
             note("the conversation is forgotten")
-        if not text or text == "/reset":
+            continue
+        if not text:
             continue
         asked = [*messages, {"role": "user", "content": text}]
         prompt_ids = decoder.target.encode_chat(asked)
