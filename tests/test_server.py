@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine.continuous import ContinuousEngine, EngineConfig
 from specdecode.engine.decode import SpeculativeDecoder
 from specdecode.errors import SpecDecodeError
-from specdecode.evaluation.serving_bench import VllmServer, percentile, summarize
+from specdecode.evaluation.serving_bench import VllmServer, percentile, run_level_apart, summarize
 from specdecode.sampling import SamplingParams
 from specdecode.serving.app import BackgroundServer, create_app
 from specdecode.serving.protocol import SUPPORTED, ApiError, parse_request
@@ -412,3 +413,15 @@ def test_served_model_names_are_answered_and_listed(smollm2):
     engine = ContinuousEngine(smollm2, Drafter(), EngineConfig(max_batch=1, max_len=MAX_LEN, draft_length=0))
     listed = TestClient(create_app(engine, MODEL, (alias,))).get("/v1/models").json()  # no lifespan: no engine loop
     assert [m["id"] for m in listed["data"]] == [MODEL, alias]
+
+
+def test_the_bench_load_runs_in_a_process_of_its_own(server):
+    """The serving bench's clients run apart from the server's process (in it they shared its GIL): a level comes
+    back with its requests and the other processes' cores, and a load that cannot reach the server is one error."""
+    level = run_level_apart(server.url, MODEL, ["Say hi.", "Count to three."], 2, 3, 4, 60)
+    assert level["requests"] == 3 and level["new_tokens"] >= 3 and level["foreign_load_cores"] >= 0
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(SpecDecodeError, match="load generator failed"):
+        run_level_apart(nobody, MODEL, ["Hi"], 1, 1, 4, 60)
