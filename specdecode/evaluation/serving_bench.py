@@ -139,6 +139,7 @@ def run_level_apart(
     level_args = (url, model, prompts, clients, requests, max_tokens, time_limit_s)
     process = context.Process(target=_client_process, args=(theirs, *level_args), daemon=True)
     process.start()
+    theirs.close()  # the child's end: held here too, a child that died would never read as an end of file
     try:
         ours.recv()  # ready: the interpreter's start-up is not part of the level
         start = time.perf_counter()
@@ -146,7 +147,8 @@ def run_level_apart(
             ours.send("go")
             outcome = ours.recv()
         wall = time.perf_counter() - start
-    except EOFError:
+    except (EOFError, OSError):
+        process.join(timeout=60)
         raise SpecDecodeError(f"the load generator's process died (exit {process.exitcode})") from None
     finally:
         process.join(timeout=60)
