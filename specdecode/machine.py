@@ -63,9 +63,14 @@ class ForeignLoad:
         return self
 
     def __exit__(self, *exc) -> None:
-        wall = time.perf_counter() - self._wall
-        others = (_busy_seconds() - self._busy) - (time.process_time() - self._own)
-        self.cores = max(0.0, others / wall) if wall > 0 else 0.0
+        self.wall_s = time.perf_counter() - self._wall
+        self.others_s = (_busy_seconds() - self._busy) - (time.process_time() - self._own)
+        self.cores = self.cores_besides(0.0)
+
+    def cores_besides(self, cpu_s: float) -> float:
+        """The cores other processes used, less `cpu_s` seconds of CPU that were part of the measured work (a
+        helper process's own)."""
+        return max(0.0, (self.others_s - cpu_s) / self.wall_s) if self.wall_s > 0 else 0.0
 
 
 MAX_FOREIGN_CORES = 0.3  # above this a measurement is re-run

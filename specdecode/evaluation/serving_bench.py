@@ -140,24 +140,24 @@ def run_level_apart(
     process = context.Process(target=_client_process, args=(theirs, *level_args), daemon=True)
     process.start()
     theirs.close()  # the child's end: held here too, a child that died would never read as an end of file
+    outcome = None
     try:
         ours.recv()  # ready: the interpreter's start-up is not part of the level
-        start = time.perf_counter()
         with ForeignLoad() as foreign:
             ours.send("go")
             outcome = ours.recv()
-        wall = time.perf_counter() - start
     except (EOFError, OSError):
-        process.join(timeout=60)
-        raise SpecDecodeError(f"the load generator's process died (exit {process.exitcode})") from None
+        pass  # the process died: said below, once it is joined
     finally:
         process.join(timeout=60)
         if process.is_alive():
             process.kill()
+    if outcome is None:
+        raise SpecDecodeError(f"the load generator's process died (exit {process.exitcode})")
     if outcome[0] == "error":
         raise SpecDecodeError(f"the load generator failed against {url}: {outcome[1]}")
     _, level, client_cpu = outcome
-    return {**level, "foreign_load_cores": round(max(0.0, foreign.cores - client_cpu / wall), 3)}
+    return {**level, "foreign_load_cores": round(foreign.cores_besides(client_cpu), 3)}
 
 
 def summarize(timings: list[RequestTiming], wall_s: float, clients: int) -> dict:
